@@ -1,0 +1,164 @@
+#include "client/connection.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "ipc/version.h"
+
+namespace collectived::client {
+
+Connection::Connection(UniqueFd fd, std::string socket_path)
+    : fd_(std::move(fd)),
+      socket_path_(std::move(socket_path)),
+      decoder_(ipc::Limits::for_max_frame(64 << 20)) {}
+
+std::unique_ptr<Connection> Connection::open(const std::string& path, const std::string& name,
+                                             std::chrono::milliseconds timeout) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof addr.sun_path) {
+    throw Error(Code::invalid_argument, "socket path '" + path + "' is empty or longer than " +
+                                            std::to_string(sizeof addr.sun_path - 1) + " bytes");
+  }
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) throw_errno("socket(AF_UNIX)");
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    const int err = errno;
+    const std::string hint =
+        "; is collectived running? (systemctl status collectived; the socket comes from the "
+        "argument, else $COLLECTIVED_SOCKET, else " "/run/collectived/collectived.sock" ")";
+    if (err == ENOENT || err == ECONNREFUSED) {
+      throw Error(Code::unavailable, "no collectived listening on " + path + " (" +
+                                         std::strerror(err) + ")" + hint);
+    }
+    if (err == EACCES) {
+      throw Error(Code::permission_denied,
+                  "cannot connect to " + path +
+                      ": permission denied (the socket's mode is client.socket_mode of the "
+                      "node's profile)");
+    }
+    throw_errno("connect to " + path, err);
+  }
+  std::unique_ptr<Connection> c(new Connection(std::move(fd), path));
+  capnp::MallocMessageBuilder b;
+  auto h = b.initRoot<wire::Message>().initHello();
+  h.setProtocolVersion(wire::PROTOCOL_VERSION);
+  h.setClientName(name.c_str());
+  h.setLibraryVersion(kVersion);
+  auto reply = c->call(b, {}, Clock::now() + timeout);
+  auto m = reply->message();
+  if (!m.isHelloReply()) {
+    throw Error(Code::protocol, "the daemon on " + path + " answered Hello with another message");
+  }
+  auto r = m.getHelloReply();
+  if (r.getProtocolVersion() != wire::PROTOCOL_VERSION) {
+    throw Error(Code::protocol, "protocol version mismatch: this libcollective (" +
+                                    std::string(kVersion) + ") speaks " +
+                                    std::to_string(wire::PROTOCOL_VERSION) + ", the daemon on " +
+                                    path + " (collectived " + r.getDaemonVersion().cStr() +
+                                    ") speaks " + std::to_string(r.getProtocolVersion()));
+  }
+  c->session_id_ = r.getSessionId();
+  c->node_name_ = r.getNodeName().cStr();
+  c->daemon_version_ = r.getDaemonVersion().cStr();
+  return c;
+}
+
+std::unique_ptr<ipc::IncomingFrame> Connection::call(capnp::MessageBuilder& request,
+                                                     std::span<const int> fds,
+                                                     Clock::time_point deadline) {
+  const std::uint64_t id = next_id_.fetch_add(1);
+  request.getRoot<wire::Message>().setId(id);
+  auto frame = ipc::encode_frame(request, static_cast<std::uint32_t>(fds.size()));
+  {
+    std::lock_guard lock(state_mutex_);
+    if (broken_) throw *broken_;
+  }
+  {
+    std::lock_guard lock(send_mutex_);
+    ipc::send_frame(fd_.get(), frame, fds, deadline);
+  }
+  auto reply = wait_reply(id, deadline);
+  auto m = reply->message();
+  if (m.isError()) {
+    auto e = m.getError();
+    throw Error(code_from_wire(static_cast<std::uint16_t>(e.getCode())),
+                std::string("collectived: ") + e.getMessage().cStr());
+  }
+  return reply;
+}
+
+std::unique_ptr<ipc::IncomingFrame> Connection::wait_reply(std::uint64_t id,
+                                                           Clock::time_point deadline) {
+  std::unique_lock lock(state_mutex_);
+  for (;;) {
+    if (auto it = arrived_.find(id); it != arrived_.end()) {
+      auto frame = std::move(it->second);
+      arrived_.erase(it);
+      return frame;
+    }
+    if (broken_) throw *broken_;
+    if (Clock::now() >= deadline) {
+      throw Error(Code::timeout, "no reply from collectived on " + socket_path_ +
+                                     " within the deadline (request " + std::to_string(id) + ")");
+    }
+    if (!reader_active_) {
+      // Become the reader until something arrives, then let waiters look.
+      reader_active_ = true;
+      lock.unlock();
+      try {
+        read_once(deadline);
+      } catch (const Error& e) {
+        lock.lock();
+        reader_active_ = false;
+        if (!broken_) broken_ = e;
+        arrived_cv_.notify_all();
+        continue;
+      }
+      lock.lock();
+      reader_active_ = false;
+      arrived_cv_.notify_all();
+    } else {
+      arrived_cv_.wait_until(lock, deadline);
+    }
+  }
+}
+
+void Connection::read_once(Clock::time_point deadline) {
+  const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  pollfd p{fd_.get(), POLLIN, 0};
+  const int rc = ::poll(&p, 1, static_cast<int>(std::clamp<long long>(left, 0, 1 << 30)));
+  if (rc < 0 && errno != EINTR) throw_errno("poll on the collectived socket");
+  if (rc <= 0) return;  // timeout or signal: the caller re-checks its deadline
+  std::vector<UniqueFd> fds;
+  const ipc::RecvResult r = ipc::recv_some(fd_.get(), decoder_.read_space(), fds);
+  if (r.would_block) return;
+  if (r.eof) {
+    throw Error(Code::unavailable, "collectived closed the connection on " + socket_path_ +
+                                       " (the daemon stopped or dropped this client)");
+  }
+  decoder_.commit(r.bytes);
+  decoder_.add_fds(std::move(fds));
+  std::lock_guard lock(state_mutex_);
+  while (auto frame = decoder_.next()) {
+    const std::uint64_t id = frame->message().getId();
+    if (id == 0) {
+      // About the whole session (refused, stopping, protocol violation).
+      if (frame->message().isError()) {
+        auto e = frame->message().getError();
+        broken_ = Error(code_from_wire(static_cast<std::uint16_t>(e.getCode())),
+                        std::string("collectived: ") + e.getMessage().cStr());
+      }
+      continue;
+    }
+    arrived_[id] = std::move(frame);
+  }
+}
+
+}  // namespace collectived::client

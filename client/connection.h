@@ -1,0 +1,64 @@
+// Private: the client side of one control connection to the daemon.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "ipc/error.h"
+#include "ipc/fd.h"
+#include "ipc/frame.h"
+
+namespace collectived::client {
+
+using Clock = std::chrono::steady_clock;
+
+/// A connected, handshaken session. Thread-safe: any thread may call(); the
+/// thread that waits reads the socket for everyone (leader/follower), so no
+/// background thread is needed.
+class Connection {
+ public:
+  /// Connects to `socket_path` and says Hello. Throws Error naming the socket.
+  static std::unique_ptr<Connection> open(const std::string& socket_path,
+                                          const std::string& client_name,
+                                          std::chrono::milliseconds timeout);
+
+  /// Sends `request` (its id is assigned here) with `fds`, waits for the reply
+  /// until `deadline`. An Error reply is thrown as Error.
+  std::unique_ptr<ipc::IncomingFrame> call(capnp::MessageBuilder& request,
+                                           std::span<const int> fds, Clock::time_point deadline);
+
+  std::uint64_t session_id() const { return session_id_; }
+  const std::string& node_name() const { return node_name_; }
+  const std::string& daemon_version() const { return daemon_version_; }
+  const std::string& socket_path() const { return socket_path_; }
+
+ private:
+  Connection(UniqueFd fd, std::string socket_path);
+  std::unique_ptr<ipc::IncomingFrame> wait_reply(std::uint64_t id, Clock::time_point deadline);
+  void read_once(Clock::time_point deadline);
+
+  UniqueFd fd_;
+  std::string socket_path_;
+  std::uint64_t session_id_ = 0;
+  std::string node_name_;
+  std::string daemon_version_;
+  std::atomic<std::uint64_t> next_id_{1};
+
+  std::mutex send_mutex_;
+  std::mutex state_mutex_;
+  std::condition_variable arrived_cv_;
+  bool reader_active_ = false;
+  std::map<std::uint64_t, std::unique_ptr<ipc::IncomingFrame>> arrived_;
+  std::optional<Error> broken_;
+  ipc::FrameDecoder decoder_;  // used by the reader only
+};
+
+}  // namespace collectived::client

@@ -1,0 +1,144 @@
+// Node profiles: the YAML file that describes one node's daemon, parsed into
+// validated typed structs.
+//
+// A profile is loaded in layers: the embedded default (systemd/collectived.yaml,
+// compiled in, which sets every key), then the node's file, then each
+// `--set KEY.PATH=VALUE` from the command line. Every layer is validated on its
+// own, so an error names the layer it came from: `file:line:column: key.path: why`.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace collectived::config {
+
+/// Thrown for any invalid profile input. what() is the full one-line message,
+/// `source:line:column: key.path: reason`.
+class ProfileError : public std::runtime_error {
+ public:
+  ProfileError(std::string source, int line, int column, std::string key_path,
+               std::string reason);
+  const std::string& source() const { return source_; }
+  int line() const { return line_; }  ///< 1-based; 0 when unknown
+  int column() const { return column_; }  ///< 1-based; 0 when unknown
+  const std::string& key_path() const { return key_path_; }
+  const std::string& reason() const { return reason_; }
+
+ private:
+  std::string source_;
+  int line_;
+  int column_;
+  std::string key_path_;
+  std::string reason_;
+};
+
+enum class LogLevel { trace, debug, info, warn, error };
+enum class TransportKind { local, tcp, verbs };
+
+std::string_view to_string(LogLevel level);
+std::string_view to_string(TransportKind kind);
+
+using Millis = std::chrono::milliseconds;
+
+struct NodeSection {
+  std::string name;  ///< node name in logs and status; empty in YAML means the host name
+};
+
+struct ClientSection {
+  std::string socket;              ///< Unix socket path for local clients
+  std::uint32_t socket_mode = 0;   ///< permission bits of the socket file (e.g. 0660)
+  std::vector<std::uint32_t> allowed_uids;  ///< SO_PEERCRED uid allow-list
+  std::vector<std::uint32_t> allowed_gids;  ///< SO_PEERCRED gid allow-list
+  std::uint64_t max_frame_bytes = 0;        ///< largest accepted control frame
+  std::uint32_t max_clients = 0;            ///< concurrent client sessions
+  std::uint32_t max_registrations_per_client = 0;
+};
+
+struct PeerSection {
+  std::string listen_address;  ///< IPv4/IPv6 address the peer listener binds
+  std::uint16_t port = 0;      ///< TCP port for daemon-to-daemon connections
+  std::string secret_file;     ///< cluster secret (never sent on the wire)
+  std::vector<std::string> peers;  ///< "host:port" of peer daemons known up front
+};
+
+struct DeadlineSection {
+  Millis operation{0};   ///< one collective, submission to completion
+  Millis connect{0};     ///< opening a peer connection
+  Millis rendezvous{0};  ///< all ranks of a communicator arriving at init
+  Millis heartbeat{0};   ///< interval of peer heartbeats (dead after 3 missed)
+  Millis shutdown{0};    ///< SIGTERM to exit
+  Millis client_request{0};  ///< a client's partially sent frame must complete within this
+};
+
+struct WorkerSection {
+  std::uint32_t threads = 0;  ///< 0 = one per online CPU
+};
+
+struct MemorySection {
+  std::uint64_t host_pool_bytes = 0;       ///< daemon-owned staging pool
+  std::uint64_t max_registered_bytes = 0;  ///< all clients' registrations together
+};
+
+struct TcpSection {
+  std::uint32_t streams_per_peer = 0;
+  std::uint64_t chunk_bytes = 0;
+};
+
+struct VerbsHca {
+  std::string name;     ///< e.g. mlx5_0
+  std::uint32_t port;   ///< 1-based port number
+};
+
+struct VerbsSection {
+  std::vector<VerbsHca> hcas;  ///< empty = discover
+  int gid_index = -1;          ///< -1 = discover (RoCE v2 preferred)
+  std::uint32_t mtu = 0;       ///< 0 = port's active MTU; else 256..4096
+  std::uint32_t qps_per_connection = 0;
+  std::uint32_t retry_count = 0;  ///< 0..7
+  std::uint32_t timeout = 0;      ///< 0..31, 4.096 us * 2^timeout
+};
+
+struct LogSection {
+  LogLevel level = LogLevel::info;
+};
+
+/// The whole node profile.
+struct Profile {
+  NodeSection node;
+  ClientSection client;
+  PeerSection peer;
+  DeadlineSection deadlines;
+  WorkerSection workers;
+  MemorySection memory;
+  std::vector<TransportKind> transports;  ///< order of preference
+  TcpSection tcp;
+  VerbsSection verbs;
+  LogSection log;
+};
+
+/// The embedded default profile's text (the annotated systemd/collectived.yaml).
+std::string_view default_profile_text();
+
+/// Parses the embedded default. Never throws for the shipped file (a test checks).
+Profile default_profile();
+
+/// Loads a profile: the embedded default, then `file` (when not empty), then each
+/// override "key.path=value" (value in YAML flow syntax, e.g. `[tcp,local]`).
+/// Throws ProfileError naming the layer, line, column and key path.
+Profile load_profile(const std::string& file, const std::vector<std::string>& overrides);
+
+/// Same as load_profile but the file's text is given (tests, SIGHUP diffing).
+Profile load_profile_text(std::string_view source_name, std::string_view text,
+                          const std::vector<std::string>& overrides);
+
+/// Every key path the schema knows, in schema order ("client.socket", ...).
+std::vector<std::string> known_keys();
+
+/// Renders the profile back as YAML (status, --print-effective-profile).
+std::string to_yaml(const Profile& profile);
+
+}  // namespace collectived::config

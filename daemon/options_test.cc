@@ -1,0 +1,31 @@
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include "daemon/options.h"
+
+#include <doctest/doctest.h>
+
+using collectived::daemon::Options;
+using collectived::daemon::parse_options;
+using collectived::daemon::UsageError;
+
+TEST_CASE("command line: modes, profile and overrides") {
+  auto o = parse_options({"--profile", "/etc/x.yaml", "--set", "log.level=debug",
+                          "--set=client.socket=/tmp/a.sock"});
+  CHECK(o.mode == Options::Mode::run);
+  CHECK(o.profile_file == "/etc/x.yaml");
+  CHECK(o.overrides == std::vector<std::string>{"log.level=debug", "client.socket=/tmp/a.sock"});
+
+  o = parse_options({"--check-profile=/tmp/p.yaml"});
+  CHECK(o.mode == Options::Mode::check_profile);
+  CHECK(o.profile_file == "/tmp/p.yaml");
+  CHECK(parse_options({"--print-default-profile"}).mode == Options::Mode::print_default_profile);
+  CHECK(parse_options({}).profile_file.empty());
+}
+
+TEST_CASE("command line: mistakes are usage errors that say what to fix") {
+  CHECK_THROWS_WITH_AS(parse_options({"--frobnicate"}), doctest::Contains("unknown argument"),
+                       UsageError);
+  CHECK_THROWS_WITH_AS(parse_options({"--set", "log.level"}),
+                       doctest::Contains("expected KEY.PATH=VALUE"), UsageError);
+  CHECK_THROWS_AS(parse_options({"--profile"}), UsageError);
+  CHECK_THROWS_AS(parse_options({"--version", "--help"}), UsageError);
+}

@@ -1,0 +1,353 @@
+#include "daemon/server.h"
+
+#include <dirent.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <boost/asio/post.hpp>
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "config/profile_diff.h"
+#include "ipc/error.h"
+#include "ipc/version.h"
+
+namespace collectived::daemon {
+
+namespace asio = boost::asio;
+using stream = asio::local::stream_protocol;
+
+namespace {
+
+engine::RegistryLimits registry_limits(const config::Profile& p) {
+  return {.max_total_bytes = p.memory.max_registered_bytes,
+          .max_per_owner = p.client.max_registrations_per_client};
+}
+
+std::uint64_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  std::uint64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+std::uint32_t open_descriptors() {
+  std::uint32_t n = 0;
+  if (DIR* d = ::opendir("/proc/self/fd")) {
+    while (dirent* e = ::readdir(d)) {
+      if (e->d_name[0] != '.') ++n;
+    }
+    ::closedir(d);
+    if (n > 0) --n;  // the directory stream's own descriptor
+  }
+  return n;
+}
+
+// Keys that SIGHUP applies without a restart.
+bool live_key(const std::string& key) {
+  return key == "log.level" || key.rfind("deadlines.", 0) == 0 ||
+         key == "memory.max_registered_bytes" || key == "client.max_registrations_per_client" ||
+         key == "client.allowed_uids" || key == "client.allowed_gids" ||
+         key == "client.max_clients";
+}
+
+}  // namespace
+
+Server::Server(config::Profile profile, ProfileSource source, engine::Logger& logger)
+    : profile_(std::move(profile)),
+      source_(std::move(source)),
+      log_(logger),
+      registry_(registry_limits(profile_)),
+      acceptor_(io_),
+      signals_(io_, SIGTERM, SIGINT, SIGHUP),
+      watchdog_timer_(io_),
+      shutdown_timer_(io_),
+      started_(std::chrono::steady_clock::now()) {}
+
+Server::~Server() {
+  if (socket_bound_) ::unlink(profile_.client.socket.c_str());
+}
+
+void Server::listen() {
+  const std::string& path = profile_.client.socket;
+  namespace fs = std::filesystem;
+  const fs::path parent = fs::path(path).parent_path();
+  std::error_code ec;
+  if (!parent.empty() && !fs::exists(parent, ec)) {
+    // Started by hand rather than by systemd (which creates RuntimeDirectory=).
+    fs::create_directories(parent, ec);
+    if (ec) {
+      throw Error(Code::system, "cannot create the socket directory " + parent.string() + ": " +
+                                    ec.message());
+    }
+    ::chmod(parent.c_str(), 0755);
+  }
+  // A socket file left by a daemon that died is removed; one that answers
+  // belongs to a live daemon, and two daemons on one socket would steal each
+  // other's clients.
+  if (fs::exists(path, ec)) {
+    stream::socket probe(io_);
+    boost::system::error_code connect_ec;
+    probe.connect(stream::endpoint(path), connect_ec);
+    if (!connect_ec) {
+      throw Error(Code::unavailable, "another collectived is already listening on " + path +
+                                         "; stop it or choose another client.socket");
+    }
+    ::unlink(path.c_str());
+  }
+  boost::system::error_code bec;
+  acceptor_.open(stream(), bec);
+  if (!bec) acceptor_.bind(stream::endpoint(path), bec);
+  if (bec) {
+    throw Error(Code::system, "cannot bind the client socket " + path + ": " + bec.message());
+  }
+  socket_bound_ = true;
+  if (::chmod(path.c_str(), profile_.client.socket_mode) != 0) {
+    throw_errno("chmod of the client socket " + path);
+  }
+  acceptor_.listen(asio::socket_base::max_listen_connections, bec);
+  if (bec) throw Error(Code::system, "listen on " + path + ": " + bec.message());
+}
+
+int Server::run() {
+  accept_next();
+  wait_signal();
+  arm_watchdog();
+  char mode[8];
+  std::snprintf(mode, sizeof mode, "%04o", profile_.client.socket_mode);
+  log_.info("listening", {{"socket", profile_.client.socket},
+                          {"mode", mode},
+                          {"node", profile_.node.name},
+                          {"version", kVersion},
+                          {"pid", static_cast<long>(::getpid())},
+                          {"profile", source_.file.empty() ? "<embedded default>" : source_.file}});
+  notifier_.ready();
+  io_.run();
+  log_.info("stopped", {{"uptime_ms", std::chrono::duration_cast<std::chrono::milliseconds>(
+                                          std::chrono::steady_clock::now() - started_)
+                                          .count()}});
+  return 0;
+}
+
+void Server::accept_next() {
+  acceptor_.async_accept([this](boost::system::error_code ec, stream::socket socket) {
+    if (stopping_) return;
+    if (ec) {
+      if (ec == asio::error::operation_aborted) return;
+      // EMFILE and friends: say so and keep accepting; the backlog waits.
+      log_.error("accept_failed", {{"error", ec.message()}});
+    } else {
+      on_accept(std::move(socket));
+    }
+    accept_next();
+  });
+}
+
+bool Server::allowed(const PeerCredentials& cred, int fd, std::string& why) const {
+  const auto& c = profile_.client;
+  if (cred.uid == ::geteuid()) return true;
+  if (std::find(c.allowed_uids.begin(), c.allowed_uids.end(), cred.uid) != c.allowed_uids.end())
+    return true;
+  if (std::find(c.allowed_gids.begin(), c.allowed_gids.end(), cred.gid) != c.allowed_gids.end())
+    return true;
+  // Supplementary groups count too (SO_PEERGROUPS, Linux 4.13+).
+  gid_t groups[256];
+  socklen_t len = sizeof groups;
+  if (!c.allowed_gids.empty() && ::getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) == 0) {
+    for (socklen_t i = 0; i < len / sizeof(gid_t); ++i) {
+      if (std::find(c.allowed_gids.begin(), c.allowed_gids.end(), groups[i]) !=
+          c.allowed_gids.end())
+        return true;
+    }
+  }
+  why = "uid " + std::to_string(cred.uid) + " / gid " + std::to_string(cred.gid) + " (pid " +
+        std::to_string(cred.pid) +
+        ") is not allowed by this node's profile (client.allowed_uids, client.allowed_gids); "
+        "ask the node's administrator to add it";
+  return false;
+}
+
+void Server::on_accept(stream::socket socket) {
+  ucred uc{};
+  socklen_t len = sizeof uc;
+  if (::getsockopt(socket.native_handle(), SOL_SOCKET, SO_PEERCRED, &uc, &len) != 0) {
+    log_.error("peercred_failed", {{"error", std::strerror(errno)}});
+    return;
+  }
+  const PeerCredentials cred{uc.pid, uc.uid, uc.gid};
+  auto refuse = [&](Code code, const std::string& why, const char* event) {
+    log_.warn(event, {{"pid", cred.pid}, {"uid", cred.uid}, {"gid", cred.gid}, {"why", why}});
+    // Best effort: the refused client learns why instead of seeing a bare EOF.
+    auto frame = ipc::encode_error(0, code, why);
+    boost::system::error_code ignored;
+    socket.non_blocking(true, ignored);
+    ::send(socket.native_handle(), frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    socket.close(ignored);
+  };
+  std::string why;
+  if (!allowed(cred, socket.native_handle(), why)) {
+    refuse(Code::permission_denied, why, "client_refused");
+    return;
+  }
+  if (sessions_.size() >= profile_.client.max_clients) {
+    refuse(Code::resource_exhausted,
+           "the daemon already serves " + std::to_string(sessions_.size()) +
+               " clients (client.max_clients)",
+           "client_refused");
+    return;
+  }
+  const std::uint64_t id = next_session_id_++;
+  auto session = std::make_shared<ClientSession>(*this, std::move(socket), id, cred);
+  sessions_.emplace(id, session);
+  log_.debug("client_connected", {{"session", id}, {"pid", cred.pid}, {"uid", cred.uid}});
+  session->start();
+}
+
+void Server::session_closed(std::uint64_t session_id) {
+  // Deferred: the session may still be on the stack of its own handler.
+  asio::post(io_, [this, session_id] {
+    sessions_.erase(session_id);
+    if (stopping_ && sessions_.empty()) io_.stop();
+  });
+}
+
+void Server::fill_status(wire::StatusReply::Builder s) {
+  const auto now = std::chrono::steady_clock::now();
+  s.setDaemonVersion(kVersion);
+  s.setProtocolVersion(wire::PROTOCOL_VERSION);
+  s.setNodeName(profile_.node.name.c_str());
+  s.setPid(::getpid());
+  s.setUptimeMs(std::chrono::duration_cast<std::chrono::milliseconds>(now - started_).count());
+  std::vector<std::shared_ptr<ClientSession>> live;
+  for (auto& [id, sess] : sessions_) {
+    if (!sess->closed()) live.push_back(sess);
+  }
+  auto clients = s.initClients(static_cast<unsigned>(live.size()));
+  for (unsigned i = 0; i < live.size(); ++i) {
+    const auto& sess = live[i];
+    auto c = clients[i];
+    c.setSessionId(sess->id());
+    c.setPid(sess->credentials().pid);
+    c.setUid(sess->credentials().uid);
+    c.setGid(sess->credentials().gid);
+    c.setName(sess->name().c_str());
+    const auto t = registry_.totals_of(sess->id());
+    c.setRegistrations(static_cast<std::uint32_t>(t.count));
+    c.setRegisteredBytes(t.bytes);
+    c.setConnectedMs(
+        std::chrono::duration_cast<std::chrono::milliseconds>(now - sess->connected_at()).count());
+  }
+  const auto totals = registry_.totals();
+  s.setRegistrations(static_cast<std::uint32_t>(totals.count));
+  s.setRegisteredBytes(totals.bytes);
+  s.setPoolBytes(0);  // the daemon allocates its pools with the transports that use them
+  s.setResidentBytes(resident_bytes());
+  s.setOpenDescriptors(open_descriptors());
+  s.setWorkerThreads(profile_.workers.threads != 0 ? profile_.workers.threads
+                                                   : std::thread::hardware_concurrency());
+  s.setLogLevel(std::string(config::to_string(log_.level())).c_str());
+}
+
+void Server::wait_signal() {
+  signals_.async_wait([this](boost::system::error_code ec, int signo) {
+    if (ec) return;
+    if (signo == SIGHUP) {
+      reload();
+    } else {
+      begin_shutdown(signo == SIGTERM ? "SIGTERM" : "SIGINT");
+    }
+    wait_signal();
+  });
+}
+
+void Server::reload() {
+  notifier_.reloading();
+  config::Profile next;
+  try {
+    next = config::load_profile(source_.file, source_.overrides);
+  } catch (const std::exception& e) {
+    log_.error("reload_failed", {{"error", e.what()}, {"action", "kept the running profile"}});
+    notifier_.ready();
+    return;
+  }
+  std::size_t applied = 0, ignored = 0;
+  config::Profile merged = profile_;
+  for (const auto& change : config::diff(profile_, next)) {
+    if (live_key(change.key)) {
+      ++applied;
+      log_.info("reload_changed",
+                {{"key", change.key}, {"from", change.before}, {"to", change.after}});
+    } else {
+      ++ignored;
+      log_.warn("reload_needs_restart", {{"key", change.key},
+                                         {"running", change.before},
+                                         {"file", change.after},
+                                         {"action", "restart collectived to apply"}});
+    }
+  }
+  merged.log = next.log;
+  merged.deadlines = next.deadlines;
+  merged.memory.max_registered_bytes = next.memory.max_registered_bytes;
+  merged.client.max_registrations_per_client = next.client.max_registrations_per_client;
+  merged.client.allowed_uids = next.client.allowed_uids;
+  merged.client.allowed_gids = next.client.allowed_gids;
+  merged.client.max_clients = next.client.max_clients;
+  profile_ = std::move(merged);
+  log_.set_level(profile_.log.level);
+  registry_.set_limits(registry_limits(profile_));
+  log_.info("reloaded", {{"applied", applied}, {"needs_restart", ignored}});
+  notifier_.ready();
+}
+
+void Server::begin_shutdown(const std::string& reason) {
+  if (stopping_) return;
+  stopping_ = true;
+  notifier_.stopping();
+  log_.info("stopping", {{"signal", reason},
+                         {"clients", sessions_.size()},
+                         {"deadline_ms", profile_.deadlines.shutdown.count()}});
+  boost::system::error_code ignored;
+  acceptor_.close(ignored);
+  if (socket_bound_) {
+    ::unlink(profile_.client.socket.c_str());
+    socket_bound_ = false;
+  }
+  watchdog_timer_.cancel();
+  // Every client learns why its session ends; work in flight fails with it.
+  const std::string why = "collectived on node " + profile_.node.name + " is stopping (" +
+                          reason + "); in-flight operations were aborted";
+  auto sessions = sessions_;
+  for (auto& [id, sess] : sessions) sess->fail_and_close(Code::aborted, why);
+  if (sessions_.empty()) {
+    io_.stop();
+    return;
+  }
+  shutdown_timer_.expires_after(profile_.deadlines.shutdown);
+  shutdown_timer_.async_wait([this](boost::system::error_code ec) {
+    if (ec) return;
+    log_.warn("shutdown_deadline", {{"clients_left", sessions_.size()}});
+    for (auto& [id, sess] : std::map(sessions_)) sess->close("daemon stopping: deadline passed");
+    io_.stop();
+  });
+}
+
+void Server::arm_watchdog() {
+  const auto interval = notifier_.watchdog_interval();
+  if (!interval) return;
+  notifier_.watchdog();
+  // Half the interval, as sd_watchdog_enabled(3) recommends. The ping comes
+  // from the event loop itself, so a stuck loop stops the pings and systemd
+  // restarts the daemon.
+  watchdog_timer_.expires_after(*interval / 2);
+  watchdog_timer_.async_wait([this](boost::system::error_code ec) {
+    if (!ec && !stopping_) arm_watchdog();
+  });
+}
+
+}  // namespace collectived::daemon

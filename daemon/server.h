@@ -1,0 +1,74 @@
+// The daemon: event loop, client listener, sessions, signals, lifecycle.
+#pragma once
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/local/stream_protocol.hpp>
+#include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "config/profile.h"
+#include "daemon/notify.h"
+#include "daemon/session.h"
+#include "engine/log.h"
+#include "engine/registry.h"
+
+namespace collectived::daemon {
+
+/// Where the profile came from, so SIGHUP can load it again.
+struct ProfileSource {
+  std::string file;                    ///< empty: the embedded default
+  std::vector<std::string> overrides;  ///< --set arguments
+};
+
+/// Owns everything the daemon serves with. main() builds it from a loaded
+/// profile and calls run(); nothing here is global.
+class Server final : public SessionHost {
+ public:
+  Server(config::Profile profile, ProfileSource source, engine::Logger& logger);
+  ~Server() override;
+
+  /// Binds the client socket (throws Error naming the path on failure).
+  void listen();
+  /// Serves until SIGTERM/SIGINT; returns the process exit code.
+  int run();
+
+  // SessionHost
+  const config::Profile& profile() const override { return profile_; }
+  engine::Logger& logger() override { return log_; }
+  engine::Registry& registry() override { return registry_; }
+  void fill_status(wire::StatusReply::Builder status) override;
+  void session_closed(std::uint64_t session_id) override;
+
+ private:
+  void accept_next();
+  void on_accept(boost::asio::local::stream_protocol::socket socket);
+  bool allowed(const PeerCredentials& cred, int fd, std::string& why) const;
+  void wait_signal();
+  void reload();
+  void begin_shutdown(const std::string& reason);
+  void arm_watchdog();
+
+  config::Profile profile_;
+  ProfileSource source_;
+  engine::Logger& log_;
+  Notifier notifier_;
+  engine::Registry registry_;
+  boost::asio::io_context io_;
+  boost::asio::local::stream_protocol::acceptor acceptor_;
+  boost::asio::signal_set signals_;
+  boost::asio::steady_timer watchdog_timer_;
+  boost::asio::steady_timer shutdown_timer_;
+  std::map<std::uint64_t, std::shared_ptr<ClientSession>> sessions_;
+  std::uint64_t next_session_id_ = 1;
+  bool stopping_ = false;
+  bool socket_bound_ = false;
+  const std::chrono::steady_clock::time_point started_;
+};
+
+}  // namespace collectived::daemon

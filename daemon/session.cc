@@ -1,0 +1,342 @@
+#include "daemon/session.h"
+
+#include <boost/asio/buffer.hpp>
+#include <boost/asio/write.hpp>
+
+#include "engine/host_mapping.h"
+#include "ipc/version.h"
+
+namespace collectived::daemon {
+
+namespace asio = boost::asio;
+using config::LogLevel;
+using engine::Field;
+
+namespace {
+// A client that stops reading its replies must not make the daemon buffer
+// without bound.
+constexpr std::size_t kMaxOutboxFrames = 4096;
+
+const char* message_name(wire::Message::Which w) {
+  switch (w) {
+    case wire::Message::HELLO: return "Hello";
+    case wire::Message::HELLO_REPLY: return "HelloReply";
+    case wire::Message::ERROR: return "Error";
+    case wire::Message::OK: return "Ok";
+    case wire::Message::REGISTER_HOST: return "RegisterHost";
+    case wire::Message::REGISTERED: return "Registered";
+    case wire::Message::DEREGISTER: return "Deregister";
+    case wire::Message::STATUS: return "Status";
+    case wire::Message::STATUS_REPLY: return "StatusReply";
+  }
+  return "unknown";
+}
+}  // namespace
+
+ClientSession::ClientSession(SessionHost& host, Socket socket, std::uint64_t id,
+                             PeerCredentials cred)
+    : host_(host),
+      socket_(std::move(socket)),
+      id_(id),
+      cred_(cred),
+      connected_at_(std::chrono::steady_clock::now()),
+      decoder_(ipc::Limits::for_max_frame(host.profile().client.max_frame_bytes)),
+      frame_timer_(socket_.get_executor()),
+      close_timer_(socket_.get_executor()) {}
+
+std::string ClientSession::who() const {
+  std::string s = "session " + std::to_string(id_) + " (pid " + std::to_string(cred_.pid) +
+                  ", uid " + std::to_string(cred_.uid);
+  if (!name_.empty()) s += ", \"" + name_ + "\"";
+  return s + ")";
+}
+
+void ClientSession::start() {
+  // A client must say Hello within the request deadline, or it only holds a slot.
+  frame_timer_armed_ = true;
+  frame_timer_.expires_after(host_.profile().deadlines.client_request);
+  frame_timer_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
+    self->frame_timer_armed_ = false;
+    if (ec || self->closed_ || self->hello_done_) return;
+    self->fail_and_close(Code::timeout,
+                         "no Hello within " +
+                             std::to_string(self->host_.profile().deadlines.client_request.count()) +
+                             " ms of connecting (deadlines.client_request_ms)");
+  });
+  wait_readable();
+}
+
+void ClientSession::wait_readable() {
+  socket_.async_wait(Socket::wait_read, [self = shared_from_this()](boost::system::error_code ec) {
+    if (self->closed_ || self->close_after_flush_) return;
+    if (ec) {
+      self->close("socket error: " + ec.message());
+      return;
+    }
+    self->on_readable();
+  });
+}
+
+void ClientSession::on_readable() {
+  auto self = shared_from_this();
+  bool completed_frame = false;
+  try {
+    // Bounded number of reads per wake-up, so one busy client cannot starve
+    // the others sharing the event loop.
+    for (int round = 0; round < 16; ++round) {
+      std::vector<UniqueFd> fds;
+      ipc::RecvResult r = ipc::recv_some(socket_.native_handle(), decoder_.read_space(), fds);
+      if (r.would_block) break;
+      if (r.eof) {
+        if (decoder_.mid_frame()) {
+          host_.logger().warn("client_disconnected_mid_request",
+                              {{"session", id_}, {"pid", cred_.pid}, {"client", name_},
+                               {"partial_bytes", decoder_.buffered_bytes()}});
+          close("disconnected in the middle of a request (" +
+                std::to_string(decoder_.buffered_bytes()) + " bytes of an incomplete frame)");
+        } else {
+          close("disconnected");
+        }
+        return;
+      }
+      decoder_.commit(r.bytes);
+      decoder_.add_fds(std::move(fds));
+      while (auto frame = decoder_.next()) {
+        completed_frame = true;
+        dispatch(*frame);
+        if (closed_ || close_after_flush_) return;
+      }
+    }
+  } catch (const Error& e) {
+    // The stream itself is untrustworthy (framing, descriptors): say why, then drop it.
+    host_.logger().warn("client_protocol_error",
+                        {{"session", id_}, {"pid", cred_.pid}, {"client", name_},
+                         {"error", e.what()}});
+    fail_and_close(e.code(), e.what());
+    return;
+  }
+  if (completed_frame && frame_timer_armed_ && hello_done_) {
+    frame_timer_.cancel();
+    frame_timer_armed_ = false;
+  }
+  update_frame_timer();
+  wait_readable();
+}
+
+void ClientSession::update_frame_timer() {
+  if (!decoder_.mid_frame() || frame_timer_armed_) return;
+  frame_timer_armed_ = true;
+  frame_timer_.expires_after(host_.profile().deadlines.client_request);
+  frame_timer_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
+    self->frame_timer_armed_ = false;
+    if (ec || self->closed_ || !self->decoder_.mid_frame()) return;
+    self->fail_and_close(
+        Code::timeout,
+        "sent " + std::to_string(self->decoder_.buffered_bytes()) +
+            " bytes of a frame and nothing more for " +
+            std::to_string(self->host_.profile().deadlines.client_request.count()) +
+            " ms (deadlines.client_request_ms)");
+  });
+}
+
+void ClientSession::dispatch(ipc::IncomingFrame& frame) {
+  std::uint64_t request_id = 0;
+  const char* what = "message";
+  try {
+    ipc::with_protocol_checks("", [&] {
+      auto m = frame.message();
+      request_id = m.getId();
+      const auto which = m.which();
+      what = message_name(which);
+      if (!hello_done_ && which != wire::Message::HELLO) {
+        fail_and_close(Code::invalid_usage,
+                       std::string("the first message of a session must be Hello, not ") + what);
+        return;
+      }
+      if (which != wire::Message::REGISTER_HOST && !frame.fds().empty()) {
+        throw Error(Code::protocol, std::string(what) + " carries " +
+                                        std::to_string(frame.fds().size()) +
+                                        " descriptors; it takes none (they were closed)");
+      }
+      switch (which) {
+        case wire::Message::HELLO:
+          handle_hello(request_id, m.getHello());
+          break;
+        case wire::Message::REGISTER_HOST:
+          handle_register_host(request_id, m.getRegisterHost(), frame.fds());
+          break;
+        case wire::Message::DEREGISTER:
+          handle_deregister(request_id, m.getDeregister());
+          break;
+        case wire::Message::STATUS:
+          handle_status(request_id);
+          break;
+        case wire::Message::HELLO_REPLY:
+        case wire::Message::ERROR:
+        case wire::Message::OK:
+        case wire::Message::REGISTERED:
+        case wire::Message::STATUS_REPLY:
+          throw Error(Code::invalid_usage,
+                      std::string(what) + " is a daemon-to-client message; a client cannot send it");
+        default:
+          throw Error(Code::protocol,
+                      "unknown message type " + std::to_string(static_cast<int>(which)) +
+                          " (this daemon speaks protocol " +
+                          std::to_string(wire::PROTOCOL_VERSION) + ")");
+      }
+    });
+  } catch (const Error& e) {
+    host_.logger().warn("request_failed", {{"session", id_},
+                                           {"pid", cred_.pid},
+                                           {"client", name_},
+                                           {"request", request_id},
+                                           {"message", what},
+                                           {"code", to_string(e.code())},
+                                           {"error", e.what()}});
+    reply_error(request_id, e.code(), std::string(what) + ": " + e.what());
+  }
+}
+
+void ClientSession::handle_hello(std::uint64_t id, wire::Hello::Reader hello) {
+  if (hello_done_) throw Error(Code::invalid_usage, "Hello was already sent on this session");
+  const std::uint32_t theirs = hello.getProtocolVersion();
+  name_ = std::string(hello.getClientName().cStr()).substr(0, 128);
+  if (theirs != wire::PROTOCOL_VERSION) {
+    const std::string why = "protocol version mismatch: the client (libcollective " +
+                            std::string(hello.getLibraryVersion().cStr()) + ") speaks " +
+                            std::to_string(theirs) + ", this daemon (collectived " +
+                            kVersion + ") speaks " + std::to_string(wire::PROTOCOL_VERSION) +
+                            "; use a libcollective that matches the node's daemon";
+    host_.logger().warn("client_version_mismatch",
+                        {{"session", id_}, {"pid", cred_.pid}, {"client_protocol", theirs},
+                         {"daemon_protocol", wire::PROTOCOL_VERSION}});
+    reply_error(id, Code::protocol, why);
+    close_after_flush_ = true;
+    close_timer_.expires_after(std::chrono::seconds(1));
+    close_timer_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
+      if (!ec) self->close("version mismatch");
+    });
+    return;
+  }
+  hello_done_ = true;
+  if (frame_timer_armed_) {
+    frame_timer_.cancel();
+    frame_timer_armed_ = false;
+  }
+  capnp::MallocMessageBuilder b;
+  auto m = b.initRoot<wire::Message>();
+  m.setId(id);
+  auto r = m.initHelloReply();
+  r.setProtocolVersion(wire::PROTOCOL_VERSION);
+  r.setDaemonVersion(kVersion);
+  r.setNodeName(host_.profile().node.name.c_str());
+  r.setSessionId(id_);
+  r.setMaxFrameBytes(host_.profile().client.max_frame_bytes);
+  send(ipc::encode_frame(b));
+  host_.logger().info("client_hello", {{"session", id_},
+                                       {"pid", cred_.pid},
+                                       {"uid", cred_.uid},
+                                       {"client", name_},
+                                       {"library", hello.getLibraryVersion().cStr()}});
+}
+
+void ClientSession::handle_register_host(std::uint64_t id, wire::RegisterHost::Reader req,
+                                         std::vector<UniqueFd>& fds) {
+  if (fds.size() != 1) {
+    throw Error(Code::invalid_argument,
+                "expects exactly one memfd descriptor, got " + std::to_string(fds.size()));
+  }
+  const std::uint64_t size = req.getSize();
+  auto mapping = engine::HostMapping::map_memfd(std::move(fds[0]), size);
+  const std::uint64_t handle = host_.registry().add(id_, std::move(mapping));
+  capnp::MallocMessageBuilder b;
+  auto m = b.initRoot<wire::Message>();
+  m.setId(id);
+  auto r = m.initRegistered();
+  r.setHandle(handle);
+  r.setSize(size);
+  send(ipc::encode_frame(b));
+  host_.logger().debug("registered", {{"session", id_}, {"handle", handle}, {"bytes", size}});
+}
+
+void ClientSession::handle_deregister(std::uint64_t id, wire::Deregister::Reader req) {
+  host_.registry().remove(id_, req.getHandle());
+  capnp::MallocMessageBuilder b;
+  auto m = b.initRoot<wire::Message>();
+  m.setId(id);
+  m.setOk();
+  send(ipc::encode_frame(b));
+}
+
+void ClientSession::handle_status(std::uint64_t id) {
+  capnp::MallocMessageBuilder b;
+  auto m = b.initRoot<wire::Message>();
+  m.setId(id);
+  host_.fill_status(m.initStatusReply());
+  send(ipc::encode_frame(b));
+}
+
+void ClientSession::reply_error(std::uint64_t id, Code code, const std::string& message) {
+  send(ipc::encode_error(id, code, message));
+}
+
+void ClientSession::send(std::vector<std::byte> frame) {
+  if (closed_) return;
+  if (outbox_.size() >= kMaxOutboxFrames) {
+    close("not reading its replies (" + std::to_string(outbox_.size()) + " frames queued)");
+    return;
+  }
+  outbox_.push_back(std::move(frame));
+  if (!writing_) write_next();
+}
+
+void ClientSession::write_next() {
+  writing_ = true;
+  asio::async_write(socket_, asio::buffer(outbox_.front()),
+                    [self = shared_from_this()](boost::system::error_code ec, std::size_t) {
+                      self->writing_ = false;
+                      if (self->closed_) return;
+                      if (ec) {
+                        self->close("write failed: " + ec.message());
+                        return;
+                      }
+                      self->outbox_.pop_front();
+                      if (!self->outbox_.empty()) {
+                        self->write_next();
+                      } else if (self->close_after_flush_) {
+                        self->close("closed by the daemon after an error");
+                      }
+                    });
+}
+
+void ClientSession::fail_and_close(Code code, const std::string& why) {
+  if (closed_ || close_after_flush_) return;
+  send(ipc::encode_error(0, code, why));
+  close_after_flush_ = true;
+  // A client that does not read must not keep the session: close regardless.
+  close_timer_.expires_after(std::chrono::seconds(1));
+  close_timer_.async_wait([self = shared_from_this(), why](boost::system::error_code ec) {
+    if (!ec) self->close(why);
+  });
+  if (!writing_ && outbox_.empty()) close(why);
+}
+
+void ClientSession::close(std::string_view reason) {
+  if (closed_) return;
+  auto self = shared_from_this();  // the host drops its reference below
+  closed_ = true;
+  boost::system::error_code ignored;
+  frame_timer_.cancel();
+  close_timer_.cancel();
+  socket_.shutdown(Socket::shutdown_both, ignored);
+  socket_.close(ignored);
+  const std::size_t released = host_.registry().remove_all(id_);
+  host_.logger().info("client_closed", {{"session", id_},
+                                        {"pid", cred_.pid},
+                                        {"client", name_},
+                                        {"reason", reason},
+                                        {"registrations_released", released}});
+  host_.session_closed(id_);
+}
+
+}  // namespace collectived::daemon

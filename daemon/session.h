@@ -1,0 +1,95 @@
+// One connected client: its socket, its framing state, its requests.
+#pragma once
+
+#include <sys/socket.h>
+
+#include <boost/asio/local/stream_protocol.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "config/profile.h"
+#include "engine/log.h"
+#include "engine/registry.h"
+#include "ipc/frame.h"
+
+namespace collectived::daemon {
+
+/// What a session needs from the daemon that owns it.
+class SessionHost {
+ public:
+  virtual ~SessionHost() = default;
+  virtual const config::Profile& profile() const = 0;
+  virtual engine::Logger& logger() = 0;
+  virtual engine::Registry& registry() = 0;
+  virtual void fill_status(wire::StatusReply::Builder status) = 0;
+  virtual void session_closed(std::uint64_t session_id) = 0;
+};
+
+/// Identity of a client from SO_PEERCRED, fixed at accept().
+struct PeerCredentials {
+  pid_t pid = 0;
+  uid_t uid = 0;
+  gid_t gid = 0;
+};
+
+/// A client session. Lives on the event-loop thread; owned by the server's
+/// session table and by its own pending asynchronous operations.
+class ClientSession : public std::enable_shared_from_this<ClientSession> {
+ public:
+  using Socket = boost::asio::local::stream_protocol::socket;
+
+  ClientSession(SessionHost& host, Socket socket, std::uint64_t id, PeerCredentials cred);
+  ClientSession(const ClientSession&) = delete;
+  ClientSession& operator=(const ClientSession&) = delete;
+
+  void start();
+  /// Sends an error naming `why` to the client (request id 0: about the session),
+  /// then closes once it is written or the deadline passes.
+  void fail_and_close(Code code, const std::string& why);
+  /// Closes at once; idempotent.
+  void close(std::string_view reason);
+
+  std::uint64_t id() const { return id_; }
+  const PeerCredentials& credentials() const { return cred_; }
+  const std::string& name() const { return name_; }
+  std::chrono::steady_clock::time_point connected_at() const { return connected_at_; }
+  bool closed() const { return closed_; }
+
+ private:
+  void wait_readable();
+  void on_readable();
+  void dispatch(ipc::IncomingFrame& frame);
+  void handle_hello(std::uint64_t id, wire::Hello::Reader hello);
+  void handle_register_host(std::uint64_t id, wire::RegisterHost::Reader req,
+                            std::vector<UniqueFd>& fds);
+  void handle_deregister(std::uint64_t id, wire::Deregister::Reader req);
+  void handle_status(std::uint64_t id);
+  void reply_error(std::uint64_t id, Code code, const std::string& message);
+  void send(std::vector<std::byte> frame);
+  void write_next();
+  void update_frame_timer();
+  std::string who() const;
+
+  SessionHost& host_;
+  Socket socket_;
+  const std::uint64_t id_;
+  const PeerCredentials cred_;
+  const std::chrono::steady_clock::time_point connected_at_;
+  std::string name_;
+  ipc::FrameDecoder decoder_;
+  std::deque<std::vector<std::byte>> outbox_;
+  bool writing_ = false;
+  bool hello_done_ = false;
+  bool close_after_flush_ = false;
+  bool closed_ = false;
+  bool frame_timer_armed_ = false;
+  boost::asio::steady_timer frame_timer_;
+  boost::asio::steady_timer close_timer_;
+};
+
+}  // namespace collectived::daemon
