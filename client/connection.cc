@@ -80,9 +80,13 @@ std::unique_ptr<ipc::IncomingFrame> Connection::call(capnp::MessageBuilder& requ
     std::lock_guard lock(state_mutex_);
     if (broken_) throw *broken_;
   }
-  {
+  try {
     std::lock_guard lock(send_mutex_);
     ipc::send_frame(fd_.get(), frame, fds, deadline);
+  } catch (const Error& e) {
+    // The daemon may have said why it dropped us (refused, stopping) just
+    // before closing: that reason is the useful error, not EPIPE.
+    throw session_error_or(e);
   }
   auto reply = wait_reply(id, deadline);
   auto m = reply->message();
@@ -128,6 +132,28 @@ std::unique_ptr<ipc::IncomingFrame> Connection::wait_reply(std::uint64_t id,
       arrived_cv_.wait_until(lock, deadline);
     }
   }
+}
+
+Error Connection::session_error_or(const Error& fallback) {
+  std::unique_lock lock(state_mutex_);
+  if (!broken_ && !reader_active_) {
+    reader_active_ = true;
+    lock.unlock();
+    try {
+      // Whatever is still queued on the socket; the daemon already closed it.
+      for (int i = 0; i < 64; ++i) read_once(Clock::now());
+    } catch (const Error& e) {
+      lock.lock();
+      if (!broken_) broken_ = e;
+      lock.unlock();
+    }
+    lock.lock();
+    reader_active_ = false;
+    arrived_cv_.notify_all();
+  }
+  if (broken_ && broken_->code() != Code::unavailable) return *broken_;
+  if (broken_ && fallback.code() == Code::unavailable) return *broken_;
+  return fallback;
 }
 
 void Connection::read_once(Clock::time_point deadline) {

@@ -44,6 +44,7 @@ class Connection {
   Connection(UniqueFd fd, std::string socket_path);
   std::unique_ptr<ipc::IncomingFrame> wait_reply(std::uint64_t id, Clock::time_point deadline);
   void read_once(Clock::time_point deadline);
+  Error session_error_or(const Error& fallback);
 
   UniqueFd fd_;
   std::string socket_path_;

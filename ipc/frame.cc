@@ -56,10 +56,20 @@ std::vector<std::byte> encode_error(std::uint64_t id, Code code, std::string_vie
 
 IncomingFrame::IncomingFrame(kj::Array<capnp::word> words, std::vector<UniqueFd> fds,
                              const Limits& limits)
-    : words_(kj::mv(words)),
-      fds_(std::move(fds)),
-      reader_(words_.asPtr(), capnp::ReaderOptions{limits.traversal_limit_words,
-                                                    limits.nesting_limit}) {}
+    : words_(kj::mv(words)), fds_(std::move(fds)) {
+  try {
+    // Validates the segment table against the received words.
+    reader_.emplace(words_.asPtr(),
+                    capnp::ReaderOptions{limits.traversal_limit_words, limits.nesting_limit});
+  } catch (const kj::Exception& e) {
+    malformed_ = e.getDescription().cStr();
+  }
+}
+
+wire::Message::Reader IncomingFrame::message() {
+  if (!reader_) throw_malformed("segment table", malformed_.c_str());
+  return reader_->getRoot<wire::Message>();
+}
 
 void throw_malformed(std::string_view context, const char* description) {
   std::string msg = "malformed message";
@@ -153,10 +163,7 @@ std::unique_ptr<IncomingFrame> FrameDecoder::next() {
     fds.push_back(std::move(pending_fds_.front()));
     pending_fds_.pop_front();
   }
-  // The segment table is validated here; a bad one throws kj::Exception.
-  return with_protocol_checks("segment table", [&] {
-    return std::make_unique<IncomingFrame>(kj::mv(words), std::move(fds), limits_);
-  });
+  return std::make_unique<IncomingFrame>(kj::mv(words), std::move(fds), limits_);
 }
 
 RecvResult recv_some(int fd, std::span<std::byte> space, std::vector<UniqueFd>& fds_out) {
@@ -222,7 +229,7 @@ void send_frame(int fd, std::span<const std::byte> frame, std::span<const int> f
     if (errno == EINTR) continue;
     if (errno != EAGAIN && errno != EWOULDBLOCK) {
       if (errno == EPIPE || errno == ECONNRESET) {
-        throw Error(Code::unavailable, "the daemon closed the connection");
+        throw Error(Code::unavailable, "the connection was closed by the other side");
       }
       throw_errno("sendmsg on control socket");
     }

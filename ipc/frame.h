@@ -22,6 +22,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "ipc/error.h"
@@ -62,16 +63,19 @@ class IncomingFrame {
   IncomingFrame(const IncomingFrame&) = delete;
   IncomingFrame& operator=(const IncomingFrame&) = delete;
 
-  /// The message. Accessors may throw kj::Exception on malformed content;
-  /// callers turn that into Code::protocol (see with_protocol_checks).
-  wire::Message::Reader message() { return reader_.getRoot<wire::Message>(); }
+  /// The message. Throws Error(protocol) when the segment table was invalid;
+  /// accessors may throw kj::Exception on malformed content, which callers
+  /// turn into Code::protocol (see with_protocol_checks). Either way the
+  /// framing is intact, so the connection can go on.
+  wire::Message::Reader message();
   std::vector<UniqueFd>& fds() { return fds_; }
   std::size_t payload_bytes() const { return words_.size() * sizeof(capnp::word); }
 
  private:
   kj::Array<capnp::word> words_;
   std::vector<UniqueFd> fds_;
-  capnp::FlatArrayMessageReader reader_;
+  std::optional<capnp::FlatArrayMessageReader> reader_;
+  std::string malformed_;  // why reader_ could not be built
 };
 
 /// Incremental frame parser fed by whatever reads the socket (Asio in the

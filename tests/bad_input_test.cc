@@ -1,0 +1,367 @@
+// Bad input on the client socket: each case gets a clear error, and the daemon
+// keeps serving its other clients. Every case runs against a real collectived.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <random>
+
+#include "tests/support/harness.h"
+
+using namespace collectived;
+using namespace collectived::test;
+using namespace std::chrono_literals;
+
+namespace {
+
+// A second, well-behaved client process: connects with libcollective through
+// the demo binary, registers, reads status. Proves the daemon still serves.
+void check_daemon_serves_others(Daemon& d) {
+  REQUIRE(d.alive());
+  auto r = run_program({demo_binary(), d.socket()}, 20s);
+  INFO(r.output);
+  CHECK(r.exited);
+  CHECK(r.code == 0);
+}
+
+std::vector<std::byte> header(std::uint32_t magic, std::uint32_t len, std::uint32_t nfds) {
+  std::vector<std::byte> h(16);
+  std::uint32_t w[4] = {magic, len, nfds, 0};
+  std::memcpy(h.data(), w, 16);
+  return h;
+}
+
+std::uint64_t registrations(RawClient& c) {
+  auto s = c.status(4242);
+  REQUIRE(s);
+  REQUIRE(s->message().isStatusReply());
+  return s->message().getStatusReply().getRegistrations();
+}
+
+}  // namespace
+
+TEST_CASE("random bytes on the socket do not stop the daemon from serving a second client") {
+  Daemon d;
+  std::mt19937 rng(1234);
+  for (int round = 0; round < 5; ++round) {
+    RawClient junk(d.socket());
+    std::vector<std::byte> bytes(4096);
+    for (auto& b : bytes) b = static_cast<std::byte>(rng());
+    junk.send_bytes(bytes);
+    auto reply = junk.receive(5s);
+    REQUIRE(reply);
+    CHECK(error_code(*reply) == Code::protocol);
+    CHECK(error_message(*reply).find("bad frame magic") != std::string::npos);
+    CHECK(junk.closed_by_peer(5s));
+  }
+  check_daemon_serves_others(d);
+  CHECK(d.log().find("client_protocol_error") != std::string::npos);
+}
+
+TEST_CASE("an oversize frame is refused from its header and the session closed") {
+  Daemon d({.overrides = {"client.max_frame_bytes=64KiB"}});
+  RawClient c(d.socket());
+  REQUIRE(c.hello());
+  c.send_bytes(header(ipc::kFrameMagic, 1 << 30, 0));
+  auto reply = c.receive(5s);
+  REQUIRE(reply);
+  CHECK(error_code(*reply) == Code::protocol);
+  CHECK(error_message(*reply).find("exceeds the limit of 65536 bytes (client.max_frame_bytes)") !=
+        std::string::npos);
+  CHECK(c.closed_by_peer(5s));
+  check_daemon_serves_others(d);
+}
+
+TEST_CASE("a malformed payload in a well-formed frame gets an error; the session goes on") {
+  Daemon d;
+  RawClient c(d.socket());
+  REQUIRE(c.hello());
+  // Segment table claims 1 segment of 1000 words, but only 3 words follow.
+  std::vector<std::byte> f = header(ipc::kFrameMagic, 24, 0);
+  std::uint32_t seg[6] = {0, 1000, 0, 0, 0, 0};
+  const auto* p = reinterpret_cast<const std::byte*>(seg);
+  f.insert(f.end(), p, p + sizeof seg);
+  c.send_bytes(f);
+  auto reply = c.receive(5s);
+  REQUIRE(reply);
+  CHECK(error_code(*reply) == Code::protocol);
+  CHECK(error_message(*reply).find("malformed message") != std::string::npos);
+  // Same session still answers.
+  auto s = c.status();
+  REQUIRE(s);
+  CHECK(s->message().isStatusReply());
+  check_daemon_serves_others(d);
+}
+
+TEST_CASE("an unknown message type is answered with a protocol error naming it") {
+  Daemon d;
+  RawClient c(d.socket());
+  REQUIRE(c.hello());
+  // Find the union discriminant's byte by encoding two members, then set a
+  // value no member has, as a client of a newer protocol would send.
+  auto encode = [](bool ok) {
+    capnp::MallocMessageBuilder b;
+    auto m = b.initRoot<wire::Message>();
+    m.setId(77);
+    if (ok) m.setOk(); else m.initStatus();
+    return ipc::encode_frame(b);
+  };
+  auto a = encode(true), b = encode(false);
+  REQUIRE(a.size() == b.size());
+  std::size_t at = 0;
+  for (std::size_t i = ipc::kHeaderBytes; i < a.size(); ++i)
+    if (a[i] != b[i]) { at = i; break; }
+  REQUIRE(at != 0);
+  a[at] = std::byte{99};
+  c.send_bytes(a);
+  auto reply = c.receive(5s);
+  REQUIRE(reply);
+  CHECK(reply->message().getId() == 77);
+  CHECK(error_code(*reply) == Code::protocol);
+  CHECK(error_message(*reply).find("unknown message type 99") != std::string::npos);
+  CHECK(c.status());
+}
+
+TEST_CASE("a daemon-to-client message sent by a client is refused") {
+  Daemon d;
+  RawClient c(d.socket());
+  REQUIRE(c.hello());
+  capnp::MallocMessageBuilder b;
+  auto m = b.initRoot<wire::Message>();
+  m.setId(5);
+  m.initRegistered().setHandle(1);
+  c.send(b);
+  auto reply = c.receive(5s);
+  REQUIRE(reply);
+  CHECK(error_code(*reply) == Code::invalid_usage);
+  CHECK(error_message(*reply).find("daemon-to-client") != std::string::npos);
+}
+
+TEST_CASE("requests before Hello, and a protocol version mismatch, are clear errors") {
+  Daemon d;
+  {
+    RawClient c(d.socket());
+    auto s = c.status(9);
+    REQUIRE(s);
+    CHECK(error_code(*s) == Code::invalid_usage);
+    CHECK(error_message(*s).find("first message of a session must be Hello") != std::string::npos);
+    CHECK(c.closed_by_peer(5s));
+  }
+  {
+    RawClient c(d.socket());
+    auto r = c.hello(wire::PROTOCOL_VERSION + 1);
+    REQUIRE(r);
+    CHECK(error_code(*r) == Code::protocol);
+    const auto msg = error_message(*r);
+    CHECK(msg.find("protocol version mismatch") != std::string::npos);
+    CHECK(msg.find("speaks " + std::to_string(wire::PROTOCOL_VERSION + 1)) != std::string::npos);
+    CHECK(c.closed_by_peer(5s));
+    CHECK(d.wait_for_log("client_version_mismatch", 5s));
+  }
+  check_daemon_serves_others(d);
+}
+
+TEST_CASE("invalid, stale and foreign registration handles") {
+  Daemon d;
+  RawClient owner(d.socket()), other(d.socket());
+  REQUIRE(owner.hello());
+  REQUIRE(other.hello());
+  auto reg = [](RawClient& c, std::uint64_t id, std::uint64_t size, std::vector<int> fds) {
+    capnp::MallocMessageBuilder b;
+    auto m = b.initRoot<wire::Message>();
+    m.setId(id);
+    m.initRegisterHost().setSize(size);
+    c.send(b, fds);
+    return c.receive(5s);
+  };
+  auto dereg = [](RawClient& c, std::uint64_t id, std::uint64_t handle) {
+    capnp::MallocMessageBuilder b;
+    auto m = b.initRoot<wire::Message>();
+    m.setId(id);
+    m.initDeregister().setHandle(handle);
+    c.send(b);
+    return c.receive(5s);
+  };
+  UniqueFd mem = sealed_memfd(8192);
+  auto r = reg(owner, 2, 8192, {mem.get()});
+  REQUIRE(r);
+  REQUIRE(r->message().isRegistered());
+  const std::uint64_t handle = r->message().getRegistered().getHandle();
+
+  auto foreign = dereg(other, 3, handle);
+  REQUIRE(foreign);
+  CHECK(error_code(*foreign) == Code::permission_denied);
+  CHECK(error_message(*foreign).find("belongs to another client") != std::string::npos);
+
+  auto bogus = dereg(owner, 4, 0xdeadbeef);
+  REQUIRE(bogus);
+  CHECK(error_code(*bogus) == Code::not_found);
+
+  auto ok = dereg(owner, 5, handle);
+  REQUIRE(ok);
+  CHECK(ok->message().isOk());
+  auto stale = dereg(owner, 6, handle);
+  REQUIRE(stale);
+  CHECK(error_code(*stale) == Code::not_found);
+  CHECK(error_message(*stale).find("already deregistered") != std::string::npos);
+}
+
+TEST_CASE("missing, wrong and unexpected descriptors") {
+  Daemon d;
+  RawClient c(d.socket());
+  REQUIRE(c.hello());
+  auto reg = [&](std::uint64_t id, std::uint64_t size, std::vector<int> fds) {
+    capnp::MallocMessageBuilder b;
+    auto m = b.initRoot<wire::Message>();
+    m.setId(id);
+    m.initRegisterHost().setSize(size);
+    c.send(b, fds);
+    auto reply = c.receive(5s);
+    REQUIRE(reply);
+    CHECK(reply->message().getId() == id);
+    return std::make_pair(error_code(*reply), error_message(*reply));
+  };
+  auto [c1, m1] = reg(10, 4096, {});
+  CHECK(c1 == Code::invalid_argument);
+  CHECK(m1.find("exactly one memfd") != std::string::npos);
+
+  int p[2];
+  REQUIRE(::pipe(p) == 0);
+  auto [c2, m2] = reg(11, 4096, {p[0]});
+  CHECK(c2 == Code::invalid_argument);
+  CHECK(m2.find("not a memfd") != std::string::npos);
+  ::close(p[0]);
+  ::close(p[1]);
+
+  UniqueFd file(::open("/proc/self/exe", O_RDONLY | O_CLOEXEC));
+  auto [c3, m3] = reg(12, 4096, {file.get()});
+  CHECK(c3 == Code::invalid_argument);
+  CHECK(m3.find("not a memfd") != std::string::npos);
+
+  UniqueFd unsealed(::memfd_create("unsealed", MFD_CLOEXEC));
+  REQUIRE(::ftruncate(unsealed.get(), 4096) == 0);
+  auto [c4, m4] = reg(13, 4096, {unsealed.get()});
+  CHECK(c4 == Code::invalid_argument);
+  CHECK(m4.find("F_SEAL_SHRINK") != std::string::npos);
+
+  UniqueFd small = sealed_memfd(4096);
+  auto [c5, m5] = reg(14, 1 << 20, {small.get()});
+  CHECK(c5 == Code::invalid_argument);
+  CHECK(m5.find("fewer than") != std::string::npos);
+
+  // A descriptor on a message that takes none is closed by the daemon.
+  auto before = c.status(15);
+  REQUIRE(before);
+  const auto fds_before = before->message().getStatusReply().getOpenDescriptors();
+  for (int i = 0; i < 5; ++i) {
+    UniqueFd extra = sealed_memfd(4096);
+    capnp::MallocMessageBuilder b;
+    auto m = b.initRoot<wire::Message>();
+    m.setId(20 + i);
+    m.initStatus();
+    c.send(b, {extra.get()});
+    auto reply = c.receive(5s);
+    REQUIRE(reply);
+    CHECK(error_code(*reply) == Code::protocol);
+    CHECK(error_message(*reply).find("takes none") != std::string::npos);
+  }
+  auto after = c.status(30);
+  REQUIRE(after);
+  CHECK(after->message().getStatusReply().getOpenDescriptors() == fds_before);
+  CHECK(registrations(c) == 0);
+  check_daemon_serves_others(d);
+}
+
+TEST_CASE("a frame that declares descriptors it does not carry closes the session") {
+  Daemon d;
+  RawClient c(d.socket());
+  REQUIRE(c.hello());
+  capnp::MallocMessageBuilder b;
+  auto m = b.initRoot<wire::Message>();
+  m.setId(3);
+  m.initRegisterHost().setSize(4096);
+  c.send_bytes(ipc::encode_frame(b, 1));  // header says 1, none sent
+  auto reply = c.receive(5s);
+  REQUIRE(reply);
+  CHECK(error_code(*reply) == Code::protocol);
+  CHECK(error_message(*reply).find("declares 1 descriptors but 0 arrived") != std::string::npos);
+  CHECK(c.closed_by_peer(5s));
+  check_daemon_serves_others(d);
+}
+
+TEST_CASE("a client that disconnects mid-request is cleaned up") {
+  Daemon d;
+  {
+    RawClient c(d.socket());
+    REQUIRE(c.hello());
+    UniqueFd mem = sealed_memfd(4096);
+    capnp::MallocMessageBuilder b;
+    auto m = b.initRoot<wire::Message>();
+    m.setId(2);
+    m.initRegisterHost().setSize(4096);
+    auto frame = ipc::encode_frame(b, 1);
+    frame.resize(frame.size() - 5);  // half a frame, then gone
+    c.send_bytes(frame, {mem.get()});
+  }
+  CHECK(d.wait_for_log("client_disconnected_mid_request", 5s));
+  RawClient probe(d.socket());
+  REQUIRE(probe.hello());
+  CHECK(registrations(probe) == 0);
+  auto s = probe.status();
+  REQUIRE(s);
+  CHECK(s->message().getStatusReply().getClients().size() == 1);
+  check_daemon_serves_others(d);
+}
+
+TEST_CASE("a client that stalls mid-frame or never says Hello is dropped at the deadline") {
+  Daemon d({.overrides = {"deadlines.client_request_ms=300"}});
+  RawClient silent(d.socket());
+  RawClient stalled(d.socket());
+  REQUIRE(stalled.hello());
+  stalled.send_bytes(header(ipc::kFrameMagic, 64, 0));
+  auto r1 = stalled.receive(3s);
+  REQUIRE(r1);
+  CHECK(error_code(*r1) == Code::timeout);
+  CHECK(error_message(*r1).find("deadlines.client_request_ms") != std::string::npos);
+  CHECK(stalled.closed_by_peer(3s));
+  auto r2 = silent.receive(3s);
+  REQUIRE(r2);
+  CHECK(error_code(*r2) == Code::timeout);
+  CHECK(error_message(*r2).find("no Hello") != std::string::npos);
+  check_daemon_serves_others(d);
+}
+
+TEST_CASE("a killed client's registrations are released") {
+  Daemon d;
+  int pipefd[2];
+  REQUIRE(::pipe(pipefd) == 0);
+  Child child([&] {
+    RawClient c(d.socket());
+    c.hello();
+    for (int i = 0; i < 3; ++i) {
+      UniqueFd mem = sealed_memfd(1 << 16);
+      capnp::MallocMessageBuilder b;
+      auto m = b.initRoot<wire::Message>();
+      m.setId(10 + i);
+      m.initRegisterHost().setSize(1 << 16);
+      c.send(b, {mem.get()});
+      if (!c.receive(5s)) return 1;
+    }
+    char x = 'r';
+    if (::write(pipefd[1], &x, 1) != 1) return 1;
+    ::pause();
+    return 0;
+  });
+  char x = 0;
+  REQUIRE(::read(pipefd[0], &x, 1) == 1);
+  RawClient probe(d.socket());
+  REQUIRE(probe.hello());
+  CHECK(registrations(probe) == 3);
+  child.kill(SIGKILL);
+  child.wait(5s);
+  CHECK(eventually([&] { return registrations(probe) == 0; }, 5s));
+  ::close(pipefd[0]);
+  ::close(pipefd[1]);
+}
