@@ -16,53 +16,49 @@
 #include "ipc/version.h"
 
 using namespace collectived;
-using collectived::client::Clock;
-using collectived::client::Connection;
+
+#include "client/client_internal.h"
+
+using namespace collectived::client;
+
+namespace collectived::client {
 
 namespace {
-
-// Control requests (registration, status) answer in microseconds; this bounds
-// a daemon that stopped answering.
-constexpr std::chrono::seconds kControlTimeout{30};
-
-struct HostBuffer {
-  std::uint64_t handle;
-  std::size_t bytes;  // mapped length (page-rounded)
-};
-
 thread_local std::string t_last_error;
+}
 
 collective_result_t fail(Code code, std::string message) {
   t_last_error = std::move(message);
   return static_cast<collective_result_t>(code);
 }
 
-template <typename Fn>
-collective_result_t guarded(const char* what, Fn&& fn) {
-  try {
-    fn();
-    return COLLECTIVE_OK;
-  } catch (const Error& e) {
-    return fail(e.code(), std::string(what) + ": " + e.what());
-  } catch (const std::bad_alloc&) {
-    return fail(Code::resource_exhausted, std::string(what) + ": out of memory");
-  } catch (const std::exception& e) {
-    return fail(Code::internal, std::string(what) + ": " + e.what());
+}  // namespace collectived::client
+
+std::pair<std::uint64_t, std::uint64_t> collective_client::locate(const void* ptr,
+                                                                  std::uint64_t bytes,
+                                                                  const char* which) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  std::lock_guard lock(buffers_mutex);
+  auto it = buffers.upper_bound(addr);
+  if (ptr != nullptr && it != buffers.begin()) {
+    --it;
+    if (addr < it->first + it->second.bytes) {
+      const std::uint64_t offset = addr - it->first;
+      if (bytes > it->second.bytes - offset) {
+        throw Error(Code::invalid_argument,
+                    std::string(which) + " buffer: " + std::to_string(bytes) +
+                        " bytes from offset " + std::to_string(offset) +
+                        " run past the end of its " + std::to_string(it->second.bytes) +
+                        "-byte collective_host_alloc buffer");
+      }
+      return {it->second.handle, offset};
+    }
   }
+  char text[32];
+  std::snprintf(text, sizeof text, "%p", ptr);
+  throw Error(Code::invalid_argument, std::string(which) + " buffer " + text +
+                                          " is not inside memory from collective_host_alloc");
 }
-
-void copy_text(char* dst, std::size_t cap, const char* src) {
-  std::strncpy(dst, src, cap - 1);
-  dst[cap - 1] = '\0';
-}
-
-}  // namespace
-
-struct collective_client {
-  std::unique_ptr<Connection> conn;
-  std::mutex buffers_mutex;
-  std::map<std::uintptr_t, HostBuffer> buffers;  // by base address
-};
 
 extern "C" {
 
@@ -70,7 +66,7 @@ const char* collective_result_string(collective_result_t result) {
   return to_string(code_from_wire(static_cast<std::uint16_t>(result))).data();
 }
 
-const char* collective_last_error(void) { return t_last_error.c_str(); }
+const char* collective_last_error(void) { return collectived::client::t_last_error.c_str(); }
 
 const char* collective_version(void) { return kVersion; }
 

@@ -103,6 +103,161 @@ typedef struct collective_status {
 COLLECTIVE_API collective_result_t collective_status(collective_client_t* client,
                                                      collective_status_t* out);
 
+
+/* ---------------------------------------------------------------------------
+ * Communicators and collectives (NCCL's model).
+ *
+ * One rank creates a unique id with collective_get_unique_id() and hands it to
+ * every rank by any means (environment, file, torchrun, MPI); each rank calls
+ * collective_comm_init_rank() with the same id, the number of ranks and its own
+ * rank. Operations return at once with a request; collective_wait() or
+ * collective_test() completes it. Operations of one communicator run in
+ * submission order; communicators run concurrently.
+ *
+ * Buffers are pointers into memory from collective_host_alloc() (any offset).
+ * Counts follow NCCL: all_gather's count is per rank (recv holds nranks*count),
+ * reduce_scatter's count is the per-rank result (send holds nranks*count),
+ * all_to_all's count is per peer (both hold nranks*count). In-place: pass the
+ * same pointer (all_gather: send == recv + rank*count; reduce_scatter:
+ * recv == send + rank*count).
+ * ------------------------------------------------------------------------- */
+
+/** Element types. */
+typedef enum collective_dtype {
+  COLLECTIVE_INT8 = 0,
+  COLLECTIVE_UINT8 = 1,
+  COLLECTIVE_INT32 = 2,
+  COLLECTIVE_UINT32 = 3,
+  COLLECTIVE_INT64 = 4,
+  COLLECTIVE_UINT64 = 5,
+  COLLECTIVE_FLOAT16 = 6,
+  COLLECTIVE_BFLOAT16 = 7,
+  COLLECTIVE_FLOAT32 = 8,
+  COLLECTIVE_FLOAT64 = 9
+} collective_dtype_t;
+
+/** Reductions. AVG divides the sum by the number of ranks (integer division
+ *  for integer types; float16/bfloat16 reduce in float32 and round once). */
+typedef enum collective_redop {
+  COLLECTIVE_SUM = 0,
+  COLLECTIVE_PROD = 1,
+  COLLECTIVE_MIN = 2,
+  COLLECTIVE_MAX = 3,
+  COLLECTIVE_AVG = 4
+} collective_redop_t;
+
+/** Size in bytes of one element (0 for an unknown type). */
+COLLECTIVE_API size_t collective_dtype_size(collective_dtype_t dtype);
+COLLECTIVE_API const char* collective_dtype_name(collective_dtype_t dtype);
+COLLECTIVE_API const char* collective_redop_name(collective_redop_t redop);
+
+/** Opaque rendezvous token: a 128-bit random secret and the address of the
+ *  daemon that hosts the rendezvous. Plain bytes: copy it anywhere. */
+#define COLLECTIVE_UNIQUE_ID_BYTES 128
+typedef struct collective_unique_id {
+  char internal[COLLECTIVE_UNIQUE_ID_BYTES];
+} collective_unique_id_t;
+
+/** Writes the id as 256 hex characters plus NUL into `out` (size >= 257), for
+ *  environment variables and files. */
+COLLECTIVE_API collective_result_t collective_unique_id_to_string(const collective_unique_id_t* id,
+                                                                  char* out, size_t size);
+COLLECTIVE_API collective_result_t collective_unique_id_from_string(const char* text,
+                                                                    collective_unique_id_t* id);
+
+typedef struct collective_comm collective_comm_t;
+typedef struct collective_request collective_request_t;
+
+/** Creates a unique id whose rendezvous is hosted by this client's daemon. */
+COLLECTIVE_API collective_result_t collective_get_unique_id(collective_client_t* client,
+                                                            collective_unique_id_t* id);
+
+/** Joins communicator `id` as `rank` of `nranks`. Blocks until every rank has
+ *  joined or the node's rendezvous deadline (deadlines.rendezvous_ms) expires;
+ *  the error then names the ranks that did not arrive. */
+COLLECTIVE_API collective_result_t collective_comm_init_rank(collective_client_t* client,
+                                                             const collective_unique_id_t* id,
+                                                             int nranks, int rank,
+                                                             collective_comm_t** comm);
+
+/** Splits `comm`: ranks with the same color form a new communicator, ordered
+ *  by key then by old rank. Collective over `comm`. color < 0
+ *  (COLLECTIVE_SPLIT_NOCOLOR) yields *newcomm == NULL. */
+#define COLLECTIVE_SPLIT_NOCOLOR (-1)
+COLLECTIVE_API collective_result_t collective_comm_split(collective_comm_t* comm, int color, int key,
+                                                         collective_comm_t** newcomm);
+
+/** Leaves the communicator after this rank's operations completed, and frees
+ *  it. Other ranks' later operations that need this rank fail with an error
+ *  naming it. */
+COLLECTIVE_API collective_result_t collective_comm_destroy(collective_comm_t* comm);
+
+/** Aborts: every pending and future operation of the communicator, on every
+ *  rank, fails with COLLECTIVE_ABORTED naming this rank; then frees it. */
+COLLECTIVE_API collective_result_t collective_comm_abort(collective_comm_t* comm);
+
+COLLECTIVE_API int collective_comm_rank(const collective_comm_t* comm);
+COLLECTIVE_API int collective_comm_size(const collective_comm_t* comm);
+
+COLLECTIVE_API collective_result_t collective_all_reduce(collective_comm_t* comm, const void* send,
+                                                         void* recv, size_t count,
+                                                         collective_dtype_t dtype,
+                                                         collective_redop_t redop,
+                                                         collective_request_t** request);
+COLLECTIVE_API collective_result_t collective_all_gather(collective_comm_t* comm, const void* send,
+                                                         void* recv, size_t count,
+                                                         collective_dtype_t dtype,
+                                                         collective_request_t** request);
+COLLECTIVE_API collective_result_t collective_reduce_scatter(collective_comm_t* comm,
+                                                             const void* send, void* recv,
+                                                             size_t count,
+                                                             collective_dtype_t dtype,
+                                                             collective_redop_t redop,
+                                                             collective_request_t** request);
+/** root's `send` to every rank's `recv` (root may pass send == recv). */
+COLLECTIVE_API collective_result_t collective_broadcast(collective_comm_t* comm, const void* send,
+                                                        void* recv, size_t count,
+                                                        collective_dtype_t dtype, int root,
+                                                        collective_request_t** request);
+/** Reduction of every rank's `send` into root's `recv` (recv ignored elsewhere). */
+COLLECTIVE_API collective_result_t collective_reduce(collective_comm_t* comm, const void* send,
+                                                     void* recv, size_t count,
+                                                     collective_dtype_t dtype,
+                                                     collective_redop_t redop, int root,
+                                                     collective_request_t** request);
+COLLECTIVE_API collective_result_t collective_all_to_all(collective_comm_t* comm, const void* send,
+                                                         void* recv, size_t count,
+                                                         collective_dtype_t dtype,
+                                                         collective_request_t** request);
+COLLECTIVE_API collective_result_t collective_barrier(collective_comm_t* comm,
+                                                     collective_request_t** request);
+
+/** Grouped point-to-point: between group_start and group_end, send and recv
+ *  calls are collected; group_end submits them as one operation and returns
+ *  its request. The k-th send from a to b matches the k-th recv at b from a;
+ *  count and dtype must agree. */
+COLLECTIVE_API collective_result_t collective_group_start(collective_comm_t* comm);
+COLLECTIVE_API collective_result_t collective_send(collective_comm_t* comm, const void* send,
+                                                   size_t count, collective_dtype_t dtype,
+                                                   int peer);
+COLLECTIVE_API collective_result_t collective_recv(collective_comm_t* comm, void* recv,
+                                                   size_t count, collective_dtype_t dtype,
+                                                   int peer);
+COLLECTIVE_API collective_result_t collective_group_end(collective_comm_t* comm,
+                                                        collective_request_t** request);
+
+/** Waits up to timeout_ms (-1: until the operation's own deadline) for the
+ *  request. Returns the operation's result, or COLLECTIVE_TIMEOUT if this wait
+ *  ran out (the request stays valid). Errors name the communicator, the rank
+ *  and the operation. */
+COLLECTIVE_API collective_result_t collective_wait(collective_request_t* request, int timeout_ms);
+
+/** Non-blocking: *done = 1 and the operation's result once complete. */
+COLLECTIVE_API collective_result_t collective_test(collective_request_t* request, int* done);
+
+/** Frees a request (completed or not; an incomplete one completes unseen). */
+COLLECTIVE_API void collective_request_free(collective_request_t* request);
+
 #ifdef __cplusplus
 }
 #endif

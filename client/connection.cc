@@ -67,12 +67,14 @@ std::unique_ptr<Connection> Connection::open(const std::string& path, const std:
   c->session_id_ = r.getSessionId();
   c->node_name_ = r.getNodeName().cStr();
   c->daemon_version_ = r.getDaemonVersion().cStr();
+  c->rendezvous_address_ = r.getRendezvousAddress().cStr();
+  c->operation_deadline_ = std::chrono::milliseconds(r.getOperationDeadlineMs());
+  c->rendezvous_deadline_ = std::chrono::milliseconds(r.getRendezvousDeadlineMs());
   return c;
 }
 
-std::unique_ptr<ipc::IncomingFrame> Connection::call(capnp::MessageBuilder& request,
-                                                     std::span<const int> fds,
-                                                     Clock::time_point deadline) {
+std::uint64_t Connection::send_request(capnp::MessageBuilder& request, std::span<const int> fds,
+                                       Clock::time_point deadline) {
   const std::uint64_t id = next_id_.fetch_add(1);
   request.getRoot<wire::Message>().setId(id);
   auto frame = ipc::encode_frame(request, static_cast<std::uint32_t>(fds.size()));
@@ -88,13 +90,29 @@ std::unique_ptr<ipc::IncomingFrame> Connection::call(capnp::MessageBuilder& requ
     // before closing: that reason is the useful error, not EPIPE.
     throw session_error_or(e);
   }
-  auto reply = wait_reply(id, deadline);
-  auto m = reply->message();
+  return id;
+}
+
+void Connection::check(ipc::IncomingFrame& reply) {
+  auto m = reply.message();
   if (m.isError()) {
     auto e = m.getError();
     throw Error(code_from_wire(static_cast<std::uint16_t>(e.getCode())),
                 std::string("collectived: ") + e.getMessage().cStr());
   }
+}
+
+std::unique_ptr<ipc::IncomingFrame> Connection::call(capnp::MessageBuilder& request,
+                                                     std::span<const int> fds,
+                                                     Clock::time_point deadline) {
+  const std::uint64_t id = send_request(request, fds, deadline);
+  auto reply = wait_reply(id, deadline);
+  if (!reply) {
+    abandon(id);
+    throw Error(Code::timeout, "no reply from collectived on " + socket_path_ +
+                                   " within the deadline (request " + std::to_string(id) + ")");
+  }
+  check(*reply);
   return reply;
 }
 
@@ -108,10 +126,7 @@ std::unique_ptr<ipc::IncomingFrame> Connection::wait_reply(std::uint64_t id,
       return frame;
     }
     if (broken_) throw *broken_;
-    if (Clock::now() >= deadline) {
-      throw Error(Code::timeout, "no reply from collectived on " + socket_path_ +
-                                     " within the deadline (request " + std::to_string(id) + ")");
-    }
+    if (Clock::now() >= deadline) return nullptr;
     if (!reader_active_) {
       // Become the reader until something arrives, then let waiters look.
       reader_active_ = true;
@@ -132,6 +147,36 @@ std::unique_ptr<ipc::IncomingFrame> Connection::wait_reply(std::uint64_t id,
       arrived_cv_.wait_until(lock, deadline);
     }
   }
+}
+
+std::unique_ptr<ipc::IncomingFrame> Connection::try_reply(std::uint64_t id) {
+  std::unique_lock lock(state_mutex_);
+  if (auto it = arrived_.find(id); it == arrived_.end() && !broken_ && !reader_active_) {
+    reader_active_ = true;
+    lock.unlock();
+    try {
+      read_once(Clock::now());
+    } catch (const Error& e) {
+      lock.lock();
+      if (!broken_) broken_ = e;
+      lock.unlock();
+    }
+    lock.lock();
+    reader_active_ = false;
+    arrived_cv_.notify_all();
+  }
+  if (auto it = arrived_.find(id); it != arrived_.end()) {
+    auto frame = std::move(it->second);
+    arrived_.erase(it);
+    return frame;
+  }
+  if (broken_) throw *broken_;
+  return nullptr;
+}
+
+void Connection::abandon(std::uint64_t id) {
+  std::lock_guard lock(state_mutex_);
+  if (arrived_.erase(id) == 0) abandoned_.insert(id);
 }
 
 Error Connection::session_error_or(const Error& fallback) {
@@ -183,6 +228,7 @@ void Connection::read_once(Clock::time_point deadline) {
       }
       continue;
     }
+    if (abandoned_.erase(id) > 0) continue;
     arrived_[id] = std::move(frame);
   }
 }

@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 
@@ -35,6 +36,23 @@ class Connection {
   std::unique_ptr<ipc::IncomingFrame> call(capnp::MessageBuilder& request,
                                            std::span<const int> fds, Clock::time_point deadline);
 
+  /// Sends `request` without waiting; returns its id.
+  std::uint64_t send_request(capnp::MessageBuilder& request, std::span<const int> fds,
+                             Clock::time_point deadline);
+  /// The reply to `id`, or nullptr if none came before `deadline` (the reply
+  /// may still come later). Throws Error when the connection is broken.
+  std::unique_ptr<ipc::IncomingFrame> wait_reply(std::uint64_t id, Clock::time_point deadline);
+  /// The reply to `id` if it has arrived (reads what is readable, never blocks).
+  std::unique_ptr<ipc::IncomingFrame> try_reply(std::uint64_t id);
+  /// Forget request `id`: its reply is dropped when it comes.
+  void abandon(std::uint64_t id);
+  /// Throws the Error an error reply carries; returns otherwise.
+  static void check(ipc::IncomingFrame& reply);
+
+  const std::string& rendezvous_address() const { return rendezvous_address_; }
+  std::chrono::milliseconds operation_deadline() const { return operation_deadline_; }
+  std::chrono::milliseconds rendezvous_deadline() const { return rendezvous_deadline_; }
+
   std::uint64_t session_id() const { return session_id_; }
   const std::string& node_name() const { return node_name_; }
   const std::string& daemon_version() const { return daemon_version_; }
@@ -42,7 +60,6 @@ class Connection {
 
  private:
   Connection(UniqueFd fd, std::string socket_path);
-  std::unique_ptr<ipc::IncomingFrame> wait_reply(std::uint64_t id, Clock::time_point deadline);
   void read_once(Clock::time_point deadline);
   Error session_error_or(const Error& fallback);
 
@@ -51,6 +68,10 @@ class Connection {
   std::uint64_t session_id_ = 0;
   std::string node_name_;
   std::string daemon_version_;
+  std::string rendezvous_address_;
+  std::chrono::milliseconds operation_deadline_{30000};
+  std::chrono::milliseconds rendezvous_deadline_{60000};
+  std::set<std::uint64_t> abandoned_;
   std::atomic<std::uint64_t> next_id_{1};
 
   std::mutex send_mutex_;

@@ -25,6 +25,23 @@ using stream = asio::local::stream_protocol;
 
 namespace {
 
+std::string address_of(const config::Profile& p) {
+  // IPv6 literals are bracketed so that the port stays unambiguous.
+  const bool v6 = p.peer.listen_address.find(':') != std::string::npos;
+  return (v6 ? "[" + p.peer.listen_address + "]" : p.peer.listen_address) + ":" +
+         std::to_string(p.peer.port);
+}
+
+engine::EngineOptions engine_options(const config::Profile& p) {
+  engine::EngineOptions o;
+  o.node_name = p.node.name;
+  o.rendezvous_address = address_of(p);
+  o.operation_deadline = p.deadlines.operation;
+  o.rendezvous_deadline = p.deadlines.rendezvous;
+  o.worker_threads = p.workers.threads;
+  return o;
+}
+
 engine::RegistryLimits registry_limits(const config::Profile& p) {
   return {.max_total_bytes = p.memory.max_registered_bytes,
           .max_per_owner = p.client.max_registrations_per_client};
@@ -64,10 +81,12 @@ Server::Server(config::Profile profile, ProfileSource source, engine::Logger& lo
       source_(std::move(source)),
       log_(logger),
       registry_(registry_limits(profile_)),
+      engine_(engine_options(profile_), registry_, log_),
       acceptor_(io_),
       signals_(io_, SIGTERM, SIGINT, SIGHUP),
       watchdog_timer_(io_),
       shutdown_timer_(io_),
+      sweep_timer_(io_),
       started_(std::chrono::steady_clock::now()) {}
 
 Server::~Server() {
@@ -115,10 +134,27 @@ void Server::listen() {
   if (bec) throw Error(Code::system, "listen on " + path + ": " + bec.message());
 }
 
+std::string Server::rendezvous_address() const { return address_of(profile_); }
+
+void Server::arm_deadline_sweep() {
+  // Deadlines are checked at a twentieth of the operation deadline (10-100 ms):
+  // an expired operation is answered within 5% of its deadline.
+  const auto interval = std::clamp<std::chrono::milliseconds>(
+      profile_.deadlines.operation / 20, std::chrono::milliseconds(10),
+      std::chrono::milliseconds(100));
+  sweep_timer_.expires_after(interval);
+  sweep_timer_.async_wait([this](boost::system::error_code ec) {
+    if (ec || stopping_) return;
+    engine_.check_deadlines();
+    arm_deadline_sweep();
+  });
+}
+
 int Server::run() {
   accept_next();
   wait_signal();
   arm_watchdog();
+  arm_deadline_sweep();
   char mode[8];
   std::snprintf(mode, sizeof mode, "%04o", profile_.client.socket_mode);
   log_.info("listening", {{"socket", profile_.client.socket},
@@ -249,8 +285,11 @@ void Server::fill_status(wire::StatusReply::Builder s) {
   s.setPoolBytes(0);  // the daemon allocates its pools with the transports that use them
   s.setResidentBytes(resident_bytes());
   s.setOpenDescriptors(open_descriptors());
-  s.setWorkerThreads(profile_.workers.threads != 0 ? profile_.workers.threads
-                                                   : std::thread::hardware_concurrency());
+  const auto es = engine_.stats();
+  s.setWorkerThreads(es.worker_threads);
+  s.setCommunicators(es.communicators);
+  s.setOperationsInFlight(es.in_flight);
+  s.setOperationsCompleted(es.completed);
   s.setLogLevel(std::string(config::to_string(log_.level())).c_str());
 }
 
@@ -301,6 +340,7 @@ void Server::reload() {
   profile_ = std::move(merged);
   log_.set_level(profile_.log.level);
   registry_.set_limits(registry_limits(profile_));
+  engine_.set_deadlines(profile_.deadlines.operation, profile_.deadlines.rendezvous);
   log_.info("reloaded", {{"applied", applied}, {"needs_restart", ignored}});
   notifier_.ready();
 }
@@ -319,7 +359,9 @@ void Server::begin_shutdown(const std::string& reason) {
     socket_bound_ = false;
   }
   watchdog_timer_.cancel();
+  sweep_timer_.cancel();
   // Every client learns why its session ends; work in flight fails with it.
+  engine_.shutdown("collectived on node " + profile_.node.name + " is stopping (" + reason + ")");
   const std::string why = "collectived on node " + profile_.node.name + " is stopping (" +
                           reason + "); in-flight operations were aborted";
   auto sessions = sessions_;

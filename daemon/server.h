@@ -42,6 +42,8 @@ class Server final : public SessionHost {
   const config::Profile& profile() const override { return profile_; }
   engine::Logger& logger() override { return log_; }
   engine::Registry& registry() override { return registry_; }
+  engine::Engine& engine() override { return engine_; }
+  std::string rendezvous_address() const override;
   void fill_status(wire::StatusReply::Builder status) override;
   void session_closed(std::uint64_t session_id) override;
 
@@ -53,17 +55,20 @@ class Server final : public SessionHost {
   void reload();
   void begin_shutdown(const std::string& reason);
   void arm_watchdog();
+  void arm_deadline_sweep();
 
   config::Profile profile_;
   ProfileSource source_;
   engine::Logger& log_;
   Notifier notifier_;
   engine::Registry registry_;
+  engine::Engine engine_;
   boost::asio::io_context io_;
   boost::asio::local::stream_protocol::acceptor acceptor_;
   boost::asio::signal_set signals_;
   boost::asio::steady_timer watchdog_timer_;
   boost::asio::steady_timer shutdown_timer_;
+  boost::asio::steady_timer sweep_timer_;
   std::map<std::uint64_t, std::shared_ptr<ClientSession>> sessions_;
   std::uint64_t next_session_id_ = 1;
   bool stopping_ = false;

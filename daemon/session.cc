@@ -28,9 +28,48 @@ const char* message_name(wire::Message::Which w) {
     case wire::Message::DEREGISTER: return "Deregister";
     case wire::Message::STATUS: return "Status";
     case wire::Message::STATUS_REPLY: return "StatusReply";
+    case wire::Message::COMM_INIT: return "CommInit";
+    case wire::Message::COMM_READY: return "CommReady";
+    case wire::Message::COMM_SPLIT: return "CommSplit";
+    case wire::Message::COMM_DESTROY: return "CommDestroy";
+    case wire::Message::COMM_ABORT: return "CommAbort";
+    case wire::Message::COLLECTIVE: return "Collective";
+    case wire::Message::P2P_GROUP: return "P2PGroup";
+    case wire::Message::COMPLETED: return "Completed";
   }
   return "unknown";
 }
+// Hands engine results (from any thread) to the session on the event loop.
+class SessionSink final : public engine::CompletionSink {
+ public:
+  SessionSink(asio::any_io_executor ex, std::weak_ptr<ClientSession> session)
+      : ex_(std::move(ex)), session_(std::move(session)) {}
+  void complete(std::uint64_t request_id, engine::Result result) override {
+    asio::post(ex_, [s = session_, request_id, result = std::move(result)]() mutable {
+      if (auto session = s.lock()) session->deliver(request_id, std::move(result));
+    });
+  }
+
+ private:
+  asio::any_io_executor ex_;
+  std::weak_ptr<ClientSession> session_;
+};
+
+
+engine::OpKind to_engine(wire::OpKind k) {
+  switch (k) {
+    case wire::OpKind::ALL_REDUCE: return engine::OpKind::all_reduce;
+    case wire::OpKind::ALL_GATHER: return engine::OpKind::all_gather;
+    case wire::OpKind::REDUCE_SCATTER: return engine::OpKind::reduce_scatter;
+    case wire::OpKind::BROADCAST: return engine::OpKind::broadcast;
+    case wire::OpKind::REDUCE: return engine::OpKind::reduce;
+    case wire::OpKind::ALL_TO_ALL: return engine::OpKind::all_to_all;
+    case wire::OpKind::BARRIER: return engine::OpKind::barrier;
+  }
+  throw Error(Code::invalid_argument,
+              "unknown operation kind " + std::to_string(static_cast<int>(k)));
+}
+
 }  // namespace
 
 ClientSession::ClientSession(SessionHost& host, Socket socket, std::uint64_t id,
@@ -49,6 +88,61 @@ std::string ClientSession::who() const {
                   ", uid " + std::to_string(cred_.uid);
   if (!name_.empty()) s += ", \"" + name_ + "\"";
   return s + ")";
+}
+
+engine::ClientRef ClientSession::client_ref() {
+  if (!sink_) sink_ = std::make_shared<SessionSink>(socket_.get_executor(), weak_from_this());
+  return engine::ClientRef{id_, cred_.pid, sink_};
+}
+
+void ClientSession::deliver(std::uint64_t id, engine::Result result) {
+  if (closed_) return;
+  if (result.code != Code::ok) {
+    reply_error(id, result.code, result.message);
+    return;
+  }
+  capnp::MallocMessageBuilder b;
+  auto m = b.initRoot<wire::Message>();
+  m.setId(id);
+  if (result.comm) {
+    auto r = m.initCommReady();
+    r.setComm(result.comm->handle);
+    r.setRank(result.comm->rank);
+    r.setNranks(result.comm->nranks);
+    r.setName(result.comm->name.c_str());
+  } else {
+    m.initCompleted().setSeq(result.seq);
+  }
+  send(ipc::encode_frame(b));
+}
+
+void ClientSession::handle_collective(std::uint64_t id, wire::Collective::Reader req) {
+  engine::CollectiveArgs a;
+  a.kind = to_engine(req.getKind());
+  a.dtype = req.getDtype();
+  a.redop = req.getRedop();
+  a.count = req.getCount();
+  a.root = req.getRoot();
+  a.send = {req.getSend().getHandle(), req.getSend().getOffset()};
+  a.recv = {req.getRecv().getHandle(), req.getRecv().getOffset()};
+  host_.engine().collective(client_ref(), id, req.getComm(), a);
+}
+
+void ClientSession::handle_p2p(std::uint64_t id, wire::P2PGroup::Reader req) {
+  std::vector<engine::P2PArgs> items;
+  const auto list = req.getItems();
+  if (list.size() > 65536) throw Error(Code::invalid_argument, "more than 65536 items in a group");
+  items.reserve(list.size());
+  for (auto it : list) {
+    engine::P2PArgs a;
+    a.is_send = it.getIsSend();
+    a.peer = it.getPeer();
+    a.buffer = {it.getBuffer().getHandle(), it.getBuffer().getOffset()};
+    a.count = it.getCount();
+    a.dtype = it.getDtype();
+    items.push_back(a);
+  }
+  host_.engine().p2p_group(client_ref(), id, req.getComm(), items);
 }
 
 void ClientSession::start() {
@@ -171,6 +265,35 @@ void ClientSession::dispatch(ipc::IncomingFrame& frame) {
         case wire::Message::STATUS:
           handle_status(request_id);
           break;
+        case wire::Message::COMM_INIT: {
+          auto r = m.getCommInit();
+          const auto secret = r.getSecret();
+          host_.engine().comm_init(
+              client_ref(), request_id,
+              std::string(reinterpret_cast<const char*>(secret.begin()), secret.size()),
+              r.getRendezvous().cStr(), r.getNranks(), r.getRank());
+          break;
+        }
+        case wire::Message::COMM_SPLIT: {
+          auto r = m.getCommSplit();
+          host_.engine().comm_split(client_ref(), request_id, r.getComm(), r.getColor(),
+                                    r.getKey());
+          break;
+        }
+        case wire::Message::COMM_DESTROY:
+          host_.engine().comm_destroy(client_ref(), request_id, m.getCommDestroy().getComm());
+          break;
+        case wire::Message::COMM_ABORT:
+          host_.engine().comm_abort(client_ref(), request_id, m.getCommAbort().getComm());
+          break;
+        case wire::Message::COLLECTIVE:
+          handle_collective(request_id, m.getCollective());
+          break;
+        case wire::Message::P2P_GROUP:
+          handle_p2p(request_id, m.getP2pGroup());
+          break;
+        case wire::Message::COMM_READY:
+        case wire::Message::COMPLETED:
         case wire::Message::HELLO_REPLY:
         case wire::Message::ERROR:
         case wire::Message::OK:
@@ -232,6 +355,10 @@ void ClientSession::handle_hello(std::uint64_t id, wire::Hello::Reader hello) {
   r.setNodeName(host_.profile().node.name.c_str());
   r.setSessionId(id_);
   r.setMaxFrameBytes(host_.profile().client.max_frame_bytes);
+  r.setRendezvousAddress(host_.rendezvous_address().c_str());
+  r.setOperationDeadlineMs(static_cast<std::uint64_t>(host_.profile().deadlines.operation.count()));
+  r.setRendezvousDeadlineMs(
+      static_cast<std::uint64_t>(host_.profile().deadlines.rendezvous.count()));
   send(ipc::encode_frame(b));
   host_.logger().info("client_hello", {{"session", id_},
                                        {"pid", cred_.pid},
@@ -330,6 +457,8 @@ void ClientSession::close(std::string_view reason) {
   close_timer_.cancel();
   socket_.shutdown(Socket::shutdown_both, ignored);
   socket_.close(ignored);
+  // The engine first: its ranks of this client are dead, its peers are told.
+  host_.engine().client_gone(id_);
   const std::size_t released = host_.registry().remove_all(id_);
   host_.logger().info("client_closed", {{"session", id_},
                                         {"pid", cred_.pid},

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "config/profile.h"
+#include "engine/engine.h"
 #include "engine/log.h"
 #include "engine/registry.h"
 #include "ipc/frame.h"
@@ -26,6 +27,9 @@ class SessionHost {
   virtual const config::Profile& profile() const = 0;
   virtual engine::Logger& logger() = 0;
   virtual engine::Registry& registry() = 0;
+  virtual engine::Engine& engine() = 0;
+  /// "host:port" this daemon hosts rendezvous on.
+  virtual std::string rendezvous_address() const = 0;
   virtual void fill_status(wire::StatusReply::Builder status) = 0;
   virtual void session_closed(std::uint64_t session_id) = 0;
 };
@@ -60,6 +64,9 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
   std::chrono::steady_clock::time_point connected_at() const { return connected_at_; }
   bool closed() const { return closed_; }
 
+  /// Sends the engine's answer to request `id` (event-loop thread only).
+  void deliver(std::uint64_t id, engine::Result result);
+
  private:
   void wait_readable();
   void on_readable();
@@ -69,6 +76,9 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
                             std::vector<UniqueFd>& fds);
   void handle_deregister(std::uint64_t id, wire::Deregister::Reader req);
   void handle_status(std::uint64_t id);
+  void handle_collective(std::uint64_t id, wire::Collective::Reader req);
+  void handle_p2p(std::uint64_t id, wire::P2PGroup::Reader req);
+  engine::ClientRef client_ref();
   void reply_error(std::uint64_t id, Code code, const std::string& message);
   void send(std::vector<std::byte> frame);
   void write_next();
@@ -90,6 +100,7 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
   bool frame_timer_armed_ = false;
   boost::asio::steady_timer frame_timer_;
   boost::asio::steady_timer close_timer_;
+  std::shared_ptr<engine::CompletionSink> sink_;
 };
 
 }  // namespace collectived::daemon

@@ -49,6 +49,9 @@ struct HelloReply {
   nodeName @2 :Text;
   sessionId @3 :UInt64;
   maxFrameBytes @4 :UInt64;
+  rendezvousAddress @5 :Text;     # "host:port" this daemon hosts rendezvous on (unique ids)
+  operationDeadlineMs @6 :UInt64; # the node's deadlines, so clients wait a little longer
+  rendezvousDeadlineMs @7 :UInt64;
 }
 
 struct ErrorReply {
@@ -101,6 +104,95 @@ struct StatusReply {
   openDescriptors @10 :UInt32;
   workerThreads @11 :UInt32;
   logLevel @12 :Text;
+  communicators @13 :UInt32;
+  operationsInFlight @14 :UInt32;
+  operationsCompleted @15 :UInt64;
+}
+
+# --- Communicators -----------------------------------------------------------
+
+# Joins a communicator: every rank sends the same secret and rendezvous
+# address (from the unique id) with its rank. Answered by CommReady once all
+# ranks joined, or an error naming the ranks that did not arrive.
+struct CommInit {
+  secret @0 :Data;          # 16 random bytes from the unique id
+  rendezvous @1 :Text;      # "host:port" of the daemon hosting the rendezvous
+  nranks @2 :UInt32;
+  rank @3 :UInt32;
+}
+
+struct CommReady {
+  comm @0 :UInt64;          # this daemon's handle of the communicator; 0 = none (split NOCOLOR)
+  rank @1 :UInt32;
+  nranks @2 :UInt32;
+  name @3 :Text;            # short printable id used in every message about it
+}
+
+# Collective over `comm`: ranks with equal color form a new communicator.
+struct CommSplit {
+  comm @0 :UInt64;
+  color @1 :Int32;
+  key @2 :Int32;
+}
+
+# Leaves once this rank's earlier operations completed (answered Ok then).
+struct CommDestroy {
+  comm @0 :UInt64;
+}
+
+# Fails every pending and future operation of the communicator on all ranks.
+struct CommAbort {
+  comm @0 :UInt64;
+}
+
+# --- Operations ----------------------------------------------------------------
+
+enum OpKind {
+  allReduce @0;
+  allGather @1;
+  reduceScatter @2;
+  broadcast @3;
+  reduce @4;
+  allToAll @5;
+  barrier @6;
+}
+
+# A place in a registered buffer.
+struct BufferRef {
+  handle @0 :UInt64;
+  offset @1 :UInt64;
+}
+
+# One collective. Counts follow NCCL (see client/collective.h). dtype and redop
+# carry collective_dtype_t / collective_redop_t values. Answered by Completed
+# or an error.
+struct Collective {
+  comm @0 :UInt64;
+  kind @1 :OpKind;
+  dtype @2 :UInt8;
+  redop @3 :UInt8;
+  count @4 :UInt64;
+  root @5 :Int32;
+  send @6 :BufferRef;
+  recv @7 :BufferRef;
+}
+
+struct P2PItem {
+  isSend @0 :Bool;
+  peer @1 :UInt32;
+  buffer @2 :BufferRef;
+  count @3 :UInt64;
+  dtype @4 :UInt8;
+}
+
+# Grouped sends and receives, completed together.
+struct P2PGroup {
+  comm @0 :UInt64;
+  items @1 :List(P2PItem);
+}
+
+struct Completed {
+  seq @0 :UInt64;           # the operation's sequence number in its communicator
 }
 
 struct Message {
@@ -115,5 +207,13 @@ struct Message {
     deregister @7 :Deregister;
     status @8 :StatusRequest;
     statusReply @9 :StatusReply;
+    commInit @10 :CommInit;
+    commReady @11 :CommReady;
+    commSplit @12 :CommSplit;
+    commDestroy @13 :CommDestroy;
+    commAbort @14 :CommAbort;
+    collective @15 :Collective;
+    p2pGroup @16 :P2PGroup;
+    completed @17 :Completed;
   }
 }

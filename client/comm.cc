@@ -1,0 +1,503 @@
+// libcollective's C API for communicators and collectives.
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "client/client_internal.h"
+
+using namespace collectived;
+using namespace collectived::client;
+
+namespace {
+
+constexpr char kIdMagic[4] = {'C', 'D', 'I', 'D'};
+constexpr std::size_t kSecretAt = 8, kSecretBytes = 16;
+constexpr std::size_t kAddressAt = 24, kAddressBytes = 64;
+constexpr std::size_t kNodeAt = 88, kNodeBytes = 40;
+
+struct DTypeInfo {
+  const char* name;
+  std::size_t size;
+};
+// nccl-tests spellings, in collective_dtype_t order.
+constexpr DTypeInfo kDTypes[] = {{"int8", 1},  {"uint8", 1},  {"int32", 4},   {"uint32", 4},
+                                 {"int64", 8}, {"uint64", 8}, {"half", 2},    {"bfloat16", 2},
+                                 {"float", 4}, {"double", 8}};
+constexpr const char* kRedOps[] = {"sum", "prod", "min", "max", "avg"};
+
+bool valid_dtype(collective_dtype_t d) { return d >= COLLECTIVE_INT8 && d <= COLLECTIVE_FLOAT64; }
+
+}  // namespace
+
+struct collective_comm {
+  collective_client_t* client = nullptr;
+  std::uint64_t handle = 0;
+  int rank = 0;
+  int nranks = 0;
+  std::string name;
+  std::mutex group_mutex;
+  bool in_group = false;
+  struct Item {
+    bool is_send;
+    std::uint32_t peer;
+    std::uint64_t handle, offset, count;
+    std::uint8_t dtype;
+  };
+  std::vector<Item> items;
+
+  std::string where() const {
+    return "communicator " + name + " (rank " + std::to_string(rank) + " of " +
+           std::to_string(nranks) + ")";
+  }
+};
+
+struct collective_request {
+  collective_comm_t* comm = nullptr;
+  Connection* conn = nullptr;
+  std::uint64_t id = 0;
+  std::string what;  // "all_reduce on communicator ab12cd34 (rank 1 of 4)"
+  bool done = false;
+  collective_result_t result = COLLECTIVE_OK;
+  std::string message;
+};
+
+namespace {
+
+collective_request_t* new_request(collective_comm_t* comm, std::uint64_t id, std::string what) {
+  auto* r = new collective_request;
+  r->comm = comm;
+  r->conn = comm->client->conn.get();
+  r->id = id;
+  r->what = std::move(what);
+  return r;
+}
+
+// Records a reply (or a broken connection) in the request.
+void settle(collective_request_t* r, ipc::IncomingFrame* reply, const Error* broken) {
+  r->done = true;
+  if (broken != nullptr) {
+    r->result = static_cast<collective_result_t>(broken->code());
+    r->message = r->what + ": " + broken->what();
+    return;
+  }
+  try {
+    Connection::check(*reply);
+    r->result = COLLECTIVE_OK;
+  } catch (const Error& e) {
+    r->result = static_cast<collective_result_t>(e.code());
+    r->message = e.what();
+  }
+}
+
+collective_result_t finish(collective_request_t* r) {
+  if (r->result == COLLECTIVE_OK) return COLLECTIVE_OK;
+  return fail(static_cast<Code>(r->result), r->message);
+}
+
+std::uint64_t wait_ms_to_deadline_ms(const Connection& c) {
+  return static_cast<std::uint64_t>(c.operation_deadline().count());
+}
+
+collective_result_t submit(collective_comm_t* comm, wire::OpKind kind, const void* send,
+                           std::uint64_t send_bytes, void* recv, std::uint64_t recv_bytes,
+                           std::size_t count, collective_dtype_t dtype, collective_redop_t redop,
+                           int root, const char* name, collective_request_t** request) {
+  if (comm == nullptr || request == nullptr) {
+    return fail(Code::invalid_argument, std::string(name) + ": comm and request must be set");
+  }
+  *request = nullptr;
+  if (kind != wire::OpKind::BARRIER && !valid_dtype(dtype)) {
+    return fail(Code::invalid_argument,
+                std::string(name) + " on " + comm->where() + ": unknown dtype " +
+                    std::to_string(static_cast<int>(dtype)));
+  }
+  return guarded(name, [&] {
+    capnp::MallocMessageBuilder b;
+    auto c = b.initRoot<wire::Message>().initCollective();
+    c.setComm(comm->handle);
+    c.setKind(kind);
+    c.setDtype(static_cast<std::uint8_t>(dtype));
+    c.setRedop(static_cast<std::uint8_t>(redop));
+    c.setCount(count);
+    c.setRoot(root);
+    try {
+      if (send_bytes > 0) {
+        auto [h, o] = comm->client->locate(send, send_bytes, "send");
+        c.getSend().setHandle(h);
+        c.getSend().setOffset(o);
+      }
+      if (recv_bytes > 0) {
+        auto [h, o] = comm->client->locate(recv, recv_bytes, "recv");
+        c.getRecv().setHandle(h);
+        c.getRecv().setOffset(o);
+      }
+    } catch (const Error& e) {
+      throw Error(e.code(), "on " + comm->where() + ": " + e.what());
+    }
+    Connection& conn = *comm->client->conn;
+    const std::uint64_t id = conn.send_request(b, {}, Clock::now() + kControlTimeout);
+    *request = new_request(comm, id, std::string(name) + " on " + comm->where());
+  });
+}
+
+bool is_root(collective_comm_t* comm, int root) { return comm != nullptr && comm->rank == root; }
+
+}  // namespace
+
+extern "C" {
+
+size_t collective_dtype_size(collective_dtype_t dtype) {
+  return valid_dtype(dtype) ? kDTypes[dtype].size : 0;
+}
+
+const char* collective_dtype_name(collective_dtype_t dtype) {
+  return valid_dtype(dtype) ? kDTypes[dtype].name : "unknown";
+}
+
+const char* collective_redop_name(collective_redop_t redop) {
+  return redop >= COLLECTIVE_SUM && redop <= COLLECTIVE_AVG ? kRedOps[redop] : "unknown";
+}
+
+collective_result_t collective_unique_id_to_string(const collective_unique_id_t* id, char* out,
+                                                   size_t size) {
+  if (id == nullptr || out == nullptr || size < 2 * COLLECTIVE_UNIQUE_ID_BYTES + 1) {
+    return fail(Code::invalid_argument,
+                "collective_unique_id_to_string: needs an id and 257 bytes of output");
+  }
+  static const char* digits = "0123456789abcdef";
+  for (std::size_t i = 0; i < COLLECTIVE_UNIQUE_ID_BYTES; ++i) {
+    const auto b = static_cast<unsigned char>(id->internal[i]);
+    out[2 * i] = digits[b >> 4];
+    out[2 * i + 1] = digits[b & 15];
+  }
+  out[2 * COLLECTIVE_UNIQUE_ID_BYTES] = '\0';
+  return COLLECTIVE_OK;
+}
+
+collective_result_t collective_unique_id_from_string(const char* text, collective_unique_id_t* id) {
+  if (text == nullptr || id == nullptr || std::strlen(text) != 2 * COLLECTIVE_UNIQUE_ID_BYTES) {
+    return fail(Code::invalid_argument,
+                "collective_unique_id_from_string: expected 256 hex characters");
+  }
+  auto nibble = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  for (std::size_t i = 0; i < COLLECTIVE_UNIQUE_ID_BYTES; ++i) {
+    const int hi = nibble(text[2 * i]), lo = nibble(text[2 * i + 1]);
+    if (hi < 0 || lo < 0) {
+      return fail(Code::invalid_argument, "collective_unique_id_from_string: not hexadecimal");
+    }
+    id->internal[i] = static_cast<char>(hi << 4 | lo);
+  }
+  if (std::memcmp(id->internal, kIdMagic, 4) != 0) {
+    return fail(Code::invalid_argument,
+                "collective_unique_id_from_string: not a collectived unique id");
+  }
+  return COLLECTIVE_OK;
+}
+
+collective_result_t collective_get_unique_id(collective_client_t* client,
+                                             collective_unique_id_t* id) {
+  if (client == nullptr || id == nullptr) {
+    return fail(Code::invalid_argument, "collective_get_unique_id: client and id must be set");
+  }
+  std::memset(id->internal, 0, sizeof id->internal);
+  std::memcpy(id->internal, kIdMagic, 4);
+  id->internal[4] = 1;  // layout version
+  // 128 random bits: the id is the only thing that keeps two jobs apart.
+  std::size_t got = 0;
+  while (got < kSecretBytes) {
+    const ssize_t n = ::getrandom(id->internal + kSecretAt + got, kSecretBytes - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      return fail(Code::system,
+                  std::string("collective_get_unique_id: getrandom: ") + std::strerror(errno));
+    }
+    got += static_cast<std::size_t>(n);
+  }
+  copy_text(id->internal + kAddressAt, kAddressBytes, client->conn->rendezvous_address().c_str());
+  copy_text(id->internal + kNodeAt, kNodeBytes, client->conn->node_name().c_str());
+  return COLLECTIVE_OK;
+}
+
+collective_result_t collective_comm_init_rank(collective_client_t* client,
+                                              const collective_unique_id_t* id, int nranks,
+                                              int rank, collective_comm_t** comm) {
+  if (client == nullptr || id == nullptr || comm == nullptr) {
+    return fail(Code::invalid_argument, "collective_comm_init_rank: client, id and comm must be set");
+  }
+  *comm = nullptr;
+  if (std::memcmp(id->internal, kIdMagic, 4) != 0) {
+    return fail(Code::invalid_argument,
+                "collective_comm_init_rank: the id was not made by collective_get_unique_id");
+  }
+  if (nranks <= 0 || rank < 0 || rank >= nranks) {
+    return fail(Code::invalid_argument, "collective_comm_init_rank: rank " +
+                                            std::to_string(rank) + " of " +
+                                            std::to_string(nranks) + " is out of range");
+  }
+  return guarded("collective_comm_init_rank", [&] {
+    capnp::MallocMessageBuilder b;
+    auto r = b.initRoot<wire::Message>().initCommInit();
+    r.setSecret(capnp::Data::Reader(
+        reinterpret_cast<const capnp::byte*>(id->internal + kSecretAt), kSecretBytes));
+    std::string address(id->internal + kAddressAt,
+                        strnlen(id->internal + kAddressAt, kAddressBytes));
+    r.setRendezvous(address.c_str());
+    r.setNranks(static_cast<std::uint32_t>(nranks));
+    r.setRank(static_cast<std::uint32_t>(rank));
+    Connection& conn = *client->conn;
+    auto reply = conn.call(b, {}, Clock::now() + conn.rendezvous_deadline() + kDeadlineMargin);
+    auto ready = reply->message().getCommReady();
+    auto c = std::make_unique<collective_comm>();
+    c->client = client;
+    c->handle = ready.getComm();
+    c->rank = static_cast<int>(ready.getRank());
+    c->nranks = static_cast<int>(ready.getNranks());
+    c->name = ready.getName().cStr();
+    *comm = c.release();
+  });
+}
+
+collective_result_t collective_comm_split(collective_comm_t* comm, int color, int key,
+                                          collective_comm_t** newcomm) {
+  if (comm == nullptr || newcomm == nullptr) {
+    return fail(Code::invalid_argument, "collective_comm_split: comm and newcomm must be set");
+  }
+  *newcomm = nullptr;
+  return guarded("collective_comm_split", [&] {
+    capnp::MallocMessageBuilder b;
+    auto r = b.initRoot<wire::Message>().initCommSplit();
+    r.setComm(comm->handle);
+    r.setColor(color < 0 ? -1 : color);
+    r.setKey(key);
+    Connection& conn = *comm->client->conn;
+    auto reply = conn.call(b, {}, Clock::now() + conn.operation_deadline() + kDeadlineMargin);
+    auto ready = reply->message().getCommReady();
+    if (ready.getComm() == 0) return;  // COLLECTIVE_SPLIT_NOCOLOR
+    auto c = std::make_unique<collective_comm>();
+    c->client = comm->client;
+    c->handle = ready.getComm();
+    c->rank = static_cast<int>(ready.getRank());
+    c->nranks = static_cast<int>(ready.getNranks());
+    c->name = ready.getName().cStr();
+    *newcomm = c.release();
+  });
+}
+
+collective_result_t collective_comm_destroy(collective_comm_t* comm) {
+  if (comm == nullptr) return COLLECTIVE_OK;
+  std::unique_ptr<collective_comm> owned(comm);
+  return guarded("collective_comm_destroy", [&] {
+    capnp::MallocMessageBuilder b;
+    b.initRoot<wire::Message>().initCommDestroy().setComm(comm->handle);
+    Connection& conn = *comm->client->conn;
+    conn.call(b, {}, Clock::now() + conn.operation_deadline() + kDeadlineMargin);
+  });
+}
+
+collective_result_t collective_comm_abort(collective_comm_t* comm) {
+  if (comm == nullptr) return COLLECTIVE_OK;
+  std::unique_ptr<collective_comm> owned(comm);
+  return guarded("collective_comm_abort", [&] {
+    capnp::MallocMessageBuilder b;
+    b.initRoot<wire::Message>().initCommAbort().setComm(comm->handle);
+    comm->client->conn->call(b, {}, Clock::now() + kControlTimeout);
+  });
+}
+
+int collective_comm_rank(const collective_comm_t* comm) { return comm ? comm->rank : -1; }
+int collective_comm_size(const collective_comm_t* comm) { return comm ? comm->nranks : -1; }
+
+collective_result_t collective_all_reduce(collective_comm_t* comm, const void* send, void* recv,
+                                          size_t count, collective_dtype_t dtype,
+                                          collective_redop_t redop,
+                                          collective_request_t** request) {
+  const std::uint64_t bytes = count * collective_dtype_size(dtype);
+  return submit(comm, wire::OpKind::ALL_REDUCE, send, bytes, recv, bytes, count, dtype, redop, 0,
+                "all_reduce", request);
+}
+
+collective_result_t collective_all_gather(collective_comm_t* comm, const void* send, void* recv,
+                                          size_t count, collective_dtype_t dtype,
+                                          collective_request_t** request) {
+  const std::uint64_t bytes = count * collective_dtype_size(dtype);
+  const std::uint64_t n = comm ? static_cast<std::uint64_t>(comm->nranks) : 0;
+  return submit(comm, wire::OpKind::ALL_GATHER, send, bytes, recv, bytes * n, count, dtype,
+                COLLECTIVE_SUM, 0, "all_gather", request);
+}
+
+collective_result_t collective_reduce_scatter(collective_comm_t* comm, const void* send,
+                                              void* recv, size_t count, collective_dtype_t dtype,
+                                              collective_redop_t redop,
+                                              collective_request_t** request) {
+  const std::uint64_t bytes = count * collective_dtype_size(dtype);
+  const std::uint64_t n = comm ? static_cast<std::uint64_t>(comm->nranks) : 0;
+  return submit(comm, wire::OpKind::REDUCE_SCATTER, send, bytes * n, recv, bytes, count, dtype,
+                redop, 0, "reduce_scatter", request);
+}
+
+collective_result_t collective_broadcast(collective_comm_t* comm, const void* send, void* recv,
+                                         size_t count, collective_dtype_t dtype, int root,
+                                         collective_request_t** request) {
+  const std::uint64_t bytes = count * collective_dtype_size(dtype);
+  return submit(comm, wire::OpKind::BROADCAST, send, is_root(comm, root) ? bytes : 0, recv, bytes,
+                count, dtype, COLLECTIVE_SUM, root, "broadcast", request);
+}
+
+collective_result_t collective_reduce(collective_comm_t* comm, const void* send, void* recv,
+                                      size_t count, collective_dtype_t dtype,
+                                      collective_redop_t redop, int root,
+                                      collective_request_t** request) {
+  const std::uint64_t bytes = count * collective_dtype_size(dtype);
+  return submit(comm, wire::OpKind::REDUCE, send, bytes, recv, is_root(comm, root) ? bytes : 0,
+                count, dtype, redop, root, "reduce", request);
+}
+
+collective_result_t collective_all_to_all(collective_comm_t* comm, const void* send, void* recv,
+                                          size_t count, collective_dtype_t dtype,
+                                          collective_request_t** request) {
+  const std::uint64_t n = comm ? static_cast<std::uint64_t>(comm->nranks) : 0;
+  const std::uint64_t bytes = count * collective_dtype_size(dtype) * n;
+  return submit(comm, wire::OpKind::ALL_TO_ALL, send, bytes, recv, bytes, count, dtype,
+                COLLECTIVE_SUM, 0, "all_to_all", request);
+}
+
+collective_result_t collective_barrier(collective_comm_t* comm, collective_request_t** request) {
+  return submit(comm, wire::OpKind::BARRIER, nullptr, 0, nullptr, 0, 0, COLLECTIVE_UINT8,
+                COLLECTIVE_SUM, 0, "barrier", request);
+}
+
+collective_result_t collective_group_start(collective_comm_t* comm) {
+  if (comm == nullptr) return fail(Code::invalid_argument, "collective_group_start: comm is NULL");
+  std::lock_guard lock(comm->group_mutex);
+  if (comm->in_group) {
+    return fail(Code::invalid_usage, "collective_group_start on " + comm->where() +
+                                         ": a group is already open");
+  }
+  comm->in_group = true;
+  comm->items.clear();
+  return COLLECTIVE_OK;
+}
+
+static collective_result_t add_p2p(collective_comm_t* comm, bool is_send, const void* buf,
+                                   size_t count, collective_dtype_t dtype, int peer) {
+  const char* name = is_send ? "collective_send" : "collective_recv";
+  if (comm == nullptr) return fail(Code::invalid_argument, std::string(name) + ": comm is NULL");
+  if (!valid_dtype(dtype)) {
+    return fail(Code::invalid_argument, std::string(name) + ": unknown dtype");
+  }
+  if (peer < 0 || peer >= comm->nranks) {
+    return fail(Code::invalid_argument, std::string(name) + " on " + comm->where() + ": peer " +
+                                            std::to_string(peer) + " is not a rank");
+  }
+  std::lock_guard lock(comm->group_mutex);
+  if (!comm->in_group) {
+    return fail(Code::invalid_usage, std::string(name) + " on " + comm->where() +
+                                         ": call it between collective_group_start and "
+                                         "collective_group_end");
+  }
+  return guarded(name, [&] {
+    const std::uint64_t bytes = count * collective_dtype_size(dtype);
+    std::uint64_t handle = 0, offset = 0;
+    if (bytes > 0) std::tie(handle, offset) = comm->client->locate(buf, bytes, is_send ? "send" : "recv");
+    comm->items.push_back({is_send, static_cast<std::uint32_t>(peer), handle, offset, count,
+                           static_cast<std::uint8_t>(dtype)});
+  });
+}
+
+collective_result_t collective_send(collective_comm_t* comm, const void* send, size_t count,
+                                    collective_dtype_t dtype, int peer) {
+  return add_p2p(comm, true, send, count, dtype, peer);
+}
+
+collective_result_t collective_recv(collective_comm_t* comm, void* recv, size_t count,
+                                    collective_dtype_t dtype, int peer) {
+  return add_p2p(comm, false, recv, count, dtype, peer);
+}
+
+collective_result_t collective_group_end(collective_comm_t* comm, collective_request_t** request) {
+  if (comm == nullptr || request == nullptr) {
+    return fail(Code::invalid_argument, "collective_group_end: comm and request must be set");
+  }
+  *request = nullptr;
+  std::vector<collective_comm::Item> items;
+  {
+    std::lock_guard lock(comm->group_mutex);
+    if (!comm->in_group) {
+      return fail(Code::invalid_usage,
+                  "collective_group_end on " + comm->where() + ": no group is open");
+    }
+    comm->in_group = false;
+    items.swap(comm->items);
+  }
+  return guarded("collective_group_end", [&] {
+    capnp::MallocMessageBuilder b;
+    auto g = b.initRoot<wire::Message>().initP2pGroup();
+    g.setComm(comm->handle);
+    auto list = g.initItems(static_cast<unsigned>(items.size()));
+    for (unsigned i = 0; i < items.size(); ++i) {
+      list[i].setIsSend(items[i].is_send);
+      list[i].setPeer(items[i].peer);
+      list[i].getBuffer().setHandle(items[i].handle);
+      list[i].getBuffer().setOffset(items[i].offset);
+      list[i].setCount(items[i].count);
+      list[i].setDtype(items[i].dtype);
+    }
+    Connection& conn = *comm->client->conn;
+    const std::uint64_t id = conn.send_request(b, {}, Clock::now() + kControlTimeout);
+    *request = new_request(comm, id, "send/recv group on " + comm->where());
+  });
+}
+
+collective_result_t collective_wait(collective_request_t* r, int timeout_ms) {
+  if (r == nullptr) return fail(Code::invalid_argument, "collective_wait: request is NULL");
+  if (!r->done) {
+    const auto limit = timeout_ms < 0
+                           ? std::chrono::milliseconds(wait_ms_to_deadline_ms(*r->conn)) +
+                                 std::chrono::milliseconds(kDeadlineMargin)
+                           : std::chrono::milliseconds(timeout_ms);
+    try {
+      auto reply = r->conn->wait_reply(r->id, Clock::now() + limit);
+      if (!reply) {
+        return fail(Code::timeout, "collective_wait: " + r->what + " not complete after " +
+                                       std::to_string(limit.count()) +
+                                       " ms (the request is still pending)");
+      }
+      settle(r, reply.get(), nullptr);
+    } catch (const Error& e) {
+      settle(r, nullptr, &e);
+    }
+  }
+  return finish(r);
+}
+
+collective_result_t collective_test(collective_request_t* r, int* done) {
+  if (r == nullptr || done == nullptr) {
+    return fail(Code::invalid_argument, "collective_test: request and done must be set");
+  }
+  if (!r->done) {
+    try {
+      auto reply = r->conn->try_reply(r->id);
+      if (reply) settle(r, reply.get(), nullptr);
+    } catch (const Error& e) {
+      settle(r, nullptr, &e);
+    }
+  }
+  *done = r->done ? 1 : 0;
+  return r->done ? finish(r) : COLLECTIVE_OK;
+}
+
+void collective_request_free(collective_request_t* r) {
+  if (r == nullptr) return;
+  if (!r->done) r->conn->abandon(r->id);
+  delete r;
+}
+
+}  // extern "C"

@@ -1,0 +1,73 @@
+// The engine: communicators, rendezvous, operation matching and ordering,
+// deadlines, and execution on the worker pool. It knows nothing of sockets:
+// requests come in as calls, results go out through each client's
+// CompletionSink.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/log.h"
+#include "engine/op.h"
+#include "engine/registry.h"
+
+namespace collectived::engine {
+
+struct EngineOptions {
+  std::string node_name;
+  std::string rendezvous_address;  ///< "host:port" of this daemon (unique ids name it)
+  std::chrono::milliseconds operation_deadline{30000};
+  std::chrono::milliseconds rendezvous_deadline{60000};
+  std::size_t worker_threads = 0;  ///< 0: one per CPU
+};
+
+struct EngineStats {
+  std::uint32_t communicators = 0;
+  std::uint32_t in_flight = 0;   ///< operations submitted and not yet answered
+  std::uint64_t completed = 0;   ///< operations completed successfully
+  std::uint32_t worker_threads = 0;
+};
+
+/// Thread-safe. Every request is answered exactly once through the caller's
+/// sink: with a result, an error, or at the latest when its deadline expires.
+class Engine {
+ public:
+  Engine(EngineOptions options, Registry& registry, Logger& log);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  void set_deadlines(std::chrono::milliseconds operation, std::chrono::milliseconds rendezvous);
+
+  /// Joins the communicator named by (secret, rendezvous address).
+  void comm_init(const ClientRef& client, std::uint64_t request, const std::string& secret,
+                 const std::string& rendezvous, std::uint32_t nranks, std::uint32_t rank);
+  void comm_split(const ClientRef& client, std::uint64_t request, std::uint64_t comm, int color,
+                  int key);
+  void comm_destroy(const ClientRef& client, std::uint64_t request, std::uint64_t comm);
+  void comm_abort(const ClientRef& client, std::uint64_t request, std::uint64_t comm);
+
+  void collective(const ClientRef& client, std::uint64_t request, std::uint64_t comm,
+                  const CollectiveArgs& args);
+  void p2p_group(const ClientRef& client, std::uint64_t request, std::uint64_t comm,
+                 const std::vector<P2PArgs>& items);
+
+  /// A client session ended (disconnect, crash, kill): its ranks are dead.
+  void client_gone(std::uint64_t session);
+  /// Fails operations and rendezvous whose deadline passed. Call periodically.
+  void check_deadlines();
+  /// Fails everything pending with Code::aborted and `reason` (daemon stopping).
+  void shutdown(const std::string& reason);
+
+  EngineStats stats() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace collectived::engine
