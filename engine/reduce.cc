@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -62,7 +63,9 @@ struct BFloat {
   using S = std::uint16_t;
   using A = float;
   static constexpr bool kConverts = true;
-  static CD_ALWAYS_INLINE A load(S x) { return bf16_to_f32(x); }
+  // Without bf16_to_f32's quieting of signalling NaNs: unobservable here, since
+  // f32_to_bf16 makes every NaN result quiet, and it saves three vector ops.
+  static CD_ALWAYS_INLINE A load(S x) { return std::bit_cast<float>(static_cast<std::uint32_t>(x) << 16); }
   static CD_ALWAYS_INLINE S store(A x) { return f32_to_bf16(x); }
 };
 

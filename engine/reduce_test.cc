@@ -869,17 +869,26 @@ TEST_CASE("benchmark: 4 sources x 16 MiB into 4 destinations") {
   });
   report("memcpy baseline (4 x 16 MiB)", t);
 
-  // In cache: 4 sources x 32 KiB into 1 destination, many times (compute bound).
-  for (std::size_t k = 0; k < kSrc; ++k) fill(DType::float32, src[k].data(), kBytes / 4, k);
+  // In cache: 4 sources x 32 KiB into 1 destination, many times (compute bound),
+  // for each kernel variant.
   constexpr std::size_t kSmall = 32u << 10;
-  const std::size_t reps = 2000;
-  const double ts = best_of(3, [&] {
-    for (std::size_t r = 0; r < reps; ++r) {
-      reduce_multi(DType::float32, RedOp::sum, dsts.data(), 1, srcs.data(), kSrc,
-                   kSmall / sizeof(float), kSrc);
+  const std::size_t reps = 1000;
+  const ReduceIsa best = reduce_isa();
+  for (const DType dt : {DType::float32, DType::float16, DType::bfloat16, DType::int8}) {
+    for (std::size_t k = 0; k < kSrc; ++k) fill(dt, src[k].data(), kSmall / dtype_size(dt), k);
+    for (int i = 0; i <= static_cast<int>(best); ++i) {
+      const ReduceIsa isa = set_reduce_isa(static_cast<ReduceIsa>(i));
+      const double ts = best_of(3, [&] {
+        for (std::size_t r = 0; r < reps; ++r) {
+          reduce_multi(dt, RedOp::sum, dsts.data(), 1, srcs.data(), kSrc,
+                       kSmall / dtype_size(dt), kSrc);
+        }
+      });
+      std::printf("[bench] %-8s sum in cache, 4 x 32 KiB -> 1, %-9s: %6.2f GB/s of sources read\n",
+                  std::string(to_string(dt)).c_str(), std::string(to_string(isa)).c_str(),
+                  static_cast<double>(reps * kSrc * kSmall) / ts / 1e9);
     }
-  });
-  std::printf("[bench] float sum in cache, 4 x 32 KiB -> 1: %6.2f GB/s of sources read\n",
-              static_cast<double>(reps * kSrc * kSmall) / ts / 1e9);
+  }
+  set_reduce_isa(best);
   CHECK(true);
 }

@@ -1,0 +1,796 @@
+// Collectives through a real daemon, from real client processes, checked
+// against a reference computed here: every operation x dtype x reduction x
+// in-place/out-of-place x odd and zero counts, for 2, 3 and 4 ranks; many
+// communicators at once; split; send/recv; mismatches; dead, missing and
+// aborting ranks.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "client/collective.h"
+#include "ipc/half.h"
+#include "tests/support/harness.h"
+
+using namespace collectived;
+using namespace collectived::test;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr collective_dtype_t kDTypes[] = {
+    COLLECTIVE_INT8,    COLLECTIVE_UINT8,    COLLECTIVE_INT32,   COLLECTIVE_UINT32,
+    COLLECTIVE_INT64,   COLLECTIVE_UINT64,   COLLECTIVE_FLOAT16, COLLECTIVE_BFLOAT16,
+    COLLECTIVE_FLOAT32, COLLECTIVE_FLOAT64};
+constexpr collective_redop_t kRedOps[] = {COLLECTIVE_SUM, COLLECTIVE_PROD, COLLECTIVE_MIN,
+                                          COLLECTIVE_MAX, COLLECTIVE_AVG};
+constexpr std::size_t kCounts[] = {0, 1, 7, 1001, 4099};
+
+// ---- reference semantics (client/collective.h, engine/reduce.h) ----------------
+
+/// Deterministic input element `i` of `rank` for a test case, as raw bits.
+std::uint64_t input_bits(collective_dtype_t d, collective_redop_t op, int rank, std::size_t i,
+                         std::uint64_t salt) {
+  // splitmix64 of (salt, rank, i): cheap, and different for every element.
+  std::uint64_t r = salt * 0x9e3779b97f4a7c15ull + static_cast<std::uint64_t>(rank) * 0xbf58476d1ce4e5b9ull +
+                    i * 0x94d049bb133111ebull;
+  r = (r ^ (r >> 30)) * 0xbf58476d1ce4e5b9ull;
+  r = (r ^ (r >> 27)) * 0x94d049bb133111ebull;
+  r ^= r >> 31;
+  auto fp = [&](double lo, double hi) {
+    return lo + (hi - lo) * static_cast<double>(r >> 11) / static_cast<double>(1ull << 53);
+  };
+  // Products of floats stay in [0.5, 2) so that they neither overflow nor vanish.
+  const double f = op == COLLECTIVE_PROD ? fp(0.5, 2.0) : fp(-100.0, 100.0);
+  switch (d) {
+    case COLLECTIVE_FLOAT16: return f32_to_f16(static_cast<float>(f));
+    case COLLECTIVE_BFLOAT16: return f32_to_bf16(static_cast<float>(f));
+    case COLLECTIVE_FLOAT32: return std::bit_cast<std::uint32_t>(static_cast<float>(f));
+    case COLLECTIVE_FLOAT64: return std::bit_cast<std::uint64_t>(f);
+    default: {
+      // Integers: the full range of the type, so sums and products wrap.
+      const std::size_t bits = 8 * collective_dtype_size(d);
+      return bits == 64 ? r : r & ((std::uint64_t{1} << bits) - 1);
+    }
+  }
+}
+
+void put(collective_dtype_t d, void* base, std::size_t i, std::uint64_t bits) {
+  switch (collective_dtype_size(d)) {
+    case 1: static_cast<std::uint8_t*>(base)[i] = static_cast<std::uint8_t>(bits); break;
+    case 2: static_cast<std::uint16_t*>(base)[i] = static_cast<std::uint16_t>(bits); break;
+    case 4: static_cast<std::uint32_t*>(base)[i] = static_cast<std::uint32_t>(bits); break;
+    default: static_cast<std::uint64_t*>(base)[i] = bits; break;
+  }
+}
+
+std::uint64_t get(collective_dtype_t d, const void* base, std::size_t i) {
+  switch (collective_dtype_size(d)) {
+    case 1: return static_cast<const std::uint8_t*>(base)[i];
+    case 2: return static_cast<const std::uint16_t*>(base)[i];
+    case 4: return static_cast<const std::uint32_t*>(base)[i];
+    default: return static_cast<const std::uint64_t*>(base)[i];
+  }
+}
+
+template <typename T>
+std::uint64_t int_reduce(collective_redop_t op, const std::vector<std::uint64_t>& in) {
+  using U = std::make_unsigned_t<T>;
+  U acc = static_cast<U>(in[0]);
+  for (std::size_t k = 1; k < in.size(); ++k) {
+    const U v = static_cast<U>(in[k]);
+    switch (op) {
+      case COLLECTIVE_SUM:
+      case COLLECTIVE_AVG: acc = static_cast<U>(acc + v); break;
+      case COLLECTIVE_PROD: acc = static_cast<U>(acc * v); break;
+      case COLLECTIVE_MIN: acc = static_cast<T>(v) < static_cast<T>(acc) ? v : acc; break;
+      case COLLECTIVE_MAX: acc = static_cast<T>(v) > static_cast<T>(acc) ? v : acc; break;
+    }
+  }
+  if (op == COLLECTIVE_AVG) {
+    acc = static_cast<U>(static_cast<T>(acc) / static_cast<T>(in.size()));
+  }
+  return static_cast<std::uint64_t>(acc);
+}
+
+template <typename A>
+A float_reduce(collective_redop_t op, const std::vector<A>& in) {
+  A acc = in[0];
+  for (std::size_t k = 1; k < in.size(); ++k) {
+    const A v = in[k];
+    switch (op) {
+      case COLLECTIVE_SUM:
+      case COLLECTIVE_AVG: acc = acc + v; break;
+      case COLLECTIVE_PROD: acc = acc * v; break;
+      case COLLECTIVE_MIN: acc = v < acc ? v : acc; break;
+      case COLLECTIVE_MAX: acc = v > acc ? v : acc; break;
+    }
+  }
+  if (op == COLLECTIVE_AVG) acc = acc / static_cast<A>(in.size());
+  return acc;
+}
+
+/// Reduction of raw inputs in rank order, as raw result bits.
+std::uint64_t reference(collective_dtype_t d, collective_redop_t op,
+                        const std::vector<std::uint64_t>& in) {
+  switch (d) {
+    case COLLECTIVE_INT8: return int_reduce<std::int8_t>(op, in);
+    case COLLECTIVE_UINT8: return int_reduce<std::uint8_t>(op, in);
+    case COLLECTIVE_INT32: return int_reduce<std::int32_t>(op, in);
+    case COLLECTIVE_UINT32: return int_reduce<std::uint32_t>(op, in);
+    case COLLECTIVE_INT64: return int_reduce<std::int64_t>(op, in);
+    case COLLECTIVE_UINT64: return int_reduce<std::uint64_t>(op, in);
+    case COLLECTIVE_FLOAT16:
+    case COLLECTIVE_BFLOAT16: {
+      std::vector<float> f;
+      for (auto b : in) {
+        f.push_back(d == COLLECTIVE_FLOAT16 ? f16_to_f32(static_cast<std::uint16_t>(b))
+                                            : bf16_to_f32(static_cast<std::uint16_t>(b)));
+      }
+      const float r = float_reduce(op, f);
+      return d == COLLECTIVE_FLOAT16 ? f32_to_f16(r) : f32_to_bf16(r);
+    }
+    case COLLECTIVE_FLOAT32: {
+      std::vector<float> f;
+      for (auto b : in) f.push_back(std::bit_cast<float>(static_cast<std::uint32_t>(b)));
+      return std::bit_cast<std::uint32_t>(float_reduce(op, f));
+    }
+    case COLLECTIVE_FLOAT64: {
+      std::vector<double> f;
+      for (auto b : in) f.push_back(std::bit_cast<double>(b));
+      return std::bit_cast<std::uint64_t>(float_reduce(op, f));
+    }
+  }
+  return 0;
+}
+
+enum class Op { all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all };
+constexpr Op kOps[] = {Op::all_reduce, Op::all_gather, Op::reduce_scatter,
+                       Op::broadcast,  Op::reduce,     Op::all_to_all};
+const char* name(Op op) {
+  const char* names[] = {"all_reduce", "all_gather", "reduce_scatter",
+                         "broadcast",  "reduce",     "all_to_all"};
+  return names[static_cast<int>(op)];
+}
+bool reducing(Op op) { return op == Op::all_reduce || op == Op::reduce || op == Op::reduce_scatter; }
+
+// ---- a rank in a child process -------------------------------------------------------
+
+struct RankCtx {
+  collective_client_t* client = nullptr;
+  collective_comm_t* comm = nullptr;
+  int rank = 0, n = 0;
+  char* send = nullptr;
+  char* recv = nullptr;
+  std::size_t bytes = 0;
+  int failures = 0;
+
+  void report(const std::string& what) {
+    if (++failures <= 5) std::fprintf(stderr, "rank %d: %s\n", rank, what.c_str());
+  }
+};
+
+/// Runs one case on this rank and checks its output. Returns false on error.
+void run_case(RankCtx& c, Op op, collective_dtype_t d, collective_redop_t redop, std::size_t count,
+              bool in_place, int root, std::uint64_t salt) {
+  const std::size_t es = collective_dtype_size(d);
+  const int n = c.n, rank = c.rank;
+  const std::size_t send_elems = (op == Op::reduce_scatter || op == Op::all_to_all) ? count * n : count;
+  // Buffer layout: out-of-place uses both buffers at odd offsets (registrations
+  // are used at any offset); in-place uses recv only, in each op's layout.
+  char* sbuf = c.send + es * 3;
+  char* rbuf = c.recv + es * 5;
+  if (in_place) {
+    sbuf = rbuf;
+    if (op == Op::all_gather) sbuf = rbuf + rank * count * es;
+  }
+  char* out = rbuf;
+  if (in_place && op == Op::reduce_scatter) out = rbuf + rank * count * es;
+  std::memset(c.recv, 0xa5, c.bytes);
+  for (std::size_t i = 0; i < send_elems; ++i) put(d, sbuf, i, input_bits(d, redop, rank, i, salt));
+
+  collective_request_t* req = nullptr;
+  collective_result_t rc = COLLECTIVE_OK;
+  switch (op) {
+    case Op::all_reduce: rc = collective_all_reduce(c.comm, sbuf, out, count, d, redop, &req); break;
+    case Op::all_gather: rc = collective_all_gather(c.comm, sbuf, out, count, d, &req); break;
+    case Op::reduce_scatter:
+      rc = collective_reduce_scatter(c.comm, sbuf, out, count, d, redop, &req);
+      break;
+    case Op::broadcast: rc = collective_broadcast(c.comm, sbuf, out, count, d, root, &req); break;
+    case Op::reduce: rc = collective_reduce(c.comm, sbuf, out, count, d, redop, root, &req); break;
+    case Op::all_to_all: rc = collective_all_to_all(c.comm, sbuf, out, count, d, &req); break;
+  }
+  const std::string what = std::string(name(op)) + " " + collective_dtype_name(d) + " " +
+                           collective_redop_name(redop) + " count " + std::to_string(count) +
+                           (in_place ? " in-place" : " out-of-place") + " root " +
+                           std::to_string(root);
+  if (rc == COLLECTIVE_OK) rc = collective_wait(req, 20000);
+  collective_request_free(req);
+  if (rc != COLLECTIVE_OK) {
+    c.report(what + ": " + collective_last_error());
+    return;
+  }
+  auto check = [&](std::size_t at, std::uint64_t want) {
+    const std::uint64_t got = get(d, out, at);
+    if (got != want) {
+      c.report(what + ": element " + std::to_string(at) + " is " + std::to_string(got) +
+               ", expected " + std::to_string(want));
+    }
+  };
+  std::vector<std::uint64_t> in(n);
+  auto reduced = [&](std::size_t j) {
+    for (int k = 0; k < n; ++k) in[k] = input_bits(d, redop, k, j, salt);
+    return reference(d, redop, in);
+  };
+  switch (op) {
+    case Op::all_reduce:
+      for (std::size_t i = 0; i < count; ++i) check(i, reduced(i));
+      break;
+    case Op::reduce:
+      if (rank == root) {
+        for (std::size_t i = 0; i < count; ++i) check(i, reduced(i));
+      }
+      break;
+    case Op::reduce_scatter:
+      for (std::size_t i = 0; i < count; ++i) check(i, reduced(rank * count + i));
+      break;
+    case Op::broadcast:
+      for (std::size_t i = 0; i < count; ++i) check(i, input_bits(d, redop, root, i, salt));
+      break;
+    case Op::all_gather:
+      for (int k = 0; k < n; ++k)
+        for (std::size_t i = 0; i < count; ++i) check(k * count + i, input_bits(d, redop, k, i, salt));
+      break;
+    case Op::all_to_all:
+      for (int k = 0; k < n; ++k)
+        for (std::size_t i = 0; i < count; ++i) {
+          check(k * count + i, input_bits(d, redop, k, rank * count + i, salt));
+        }
+      break;
+  }
+}
+
+/// Connects, joins `id` as `rank` of `n`, allocates buffers. Exits the child on failure.
+RankCtx join(const std::string& socket, const collective_unique_id_t& id, int n, int rank,
+             std::size_t bytes) {
+  RankCtx c;
+  c.rank = rank;
+  c.n = n;
+  c.bytes = bytes;
+  const std::string nm = "rank " + std::to_string(rank);
+  if (collective_connect(socket.c_str(), nm.c_str(), &c.client) != COLLECTIVE_OK ||
+      collective_comm_init_rank(c.client, &id, n, rank, &c.comm) != COLLECTIVE_OK) {
+    std::fprintf(stderr, "rank %d: %s\n", rank, collective_last_error());
+    std::_Exit(10);
+  }
+  void* a = nullptr;
+  void* b = nullptr;
+  if (bytes > 0 && (collective_host_alloc(c.client, bytes, &a) != COLLECTIVE_OK ||
+                    collective_host_alloc(c.client, bytes, &b) != COLLECTIVE_OK)) {
+    std::fprintf(stderr, "rank %d: %s\n", rank, collective_last_error());
+    std::_Exit(11);
+  }
+  c.send = static_cast<char*>(a);
+  c.recv = static_cast<char*>(b);
+  return c;
+}
+
+collective_unique_id_t new_id(const std::string& socket) {
+  collective_client_t* c = nullptr;
+  REQUIRE(collective_connect(socket.c_str(), "id maker", &c) == COLLECTIVE_OK);
+  collective_unique_id_t id;
+  REQUIRE(collective_get_unique_id(c, &id) == COLLECTIVE_OK);
+  collective_disconnect(c);
+  return id;
+}
+
+/// Runs `body(rank)` in `n` child processes; checks every one exits 0.
+void run_ranks(int n, const std::function<int(int)>& body, std::chrono::milliseconds timeout = 120s) {
+  std::vector<std::unique_ptr<Child>> kids;
+  for (int r = 0; r < n; ++r) kids.push_back(std::make_unique<Child>([&body, r] { return body(r); }));
+  for (int r = 0; r < n; ++r) {
+    auto s = kids[r]->wait(timeout);
+    INFO("rank " << r);
+    CHECK(s.exited);
+    CHECK(s.code == 0);
+  }
+}
+
+/// Message check helper inside children.
+bool contains(const char* text, const std::string& part) {
+  return std::string(text).find(part) != std::string::npos;
+}
+
+}  // namespace
+
+TEST_CASE("the full matrix across 2, 3 and 4 processes matches the reference") {
+  Daemon d;
+  for (int n = 2; n <= 4; ++n) {
+    auto id = new_id(d.socket());
+    run_ranks(n, [&](int rank) {
+      RankCtx c = join(d.socket(), id, n, rank, 4099 * 8 * 4 + 256);
+      std::uint64_t salt = 1;
+      for (Op op : kOps) {
+        for (collective_dtype_t dt : kDTypes) {
+          for (collective_redop_t redop : kRedOps) {
+            if (!reducing(op) && redop != COLLECTIVE_SUM) continue;
+            for (std::size_t count : kCounts) {
+              for (bool in_place : {false, true}) {
+                const int root = static_cast<int>(salt % n);
+                run_case(c, op, dt, redop, count, in_place, root, salt++);
+              }
+            }
+          }
+        }
+      }
+      collective_request_t* r = nullptr;
+      if (collective_barrier(c.comm, &r) != COLLECTIVE_OK || collective_wait(r, 20000) != COLLECTIVE_OK) {
+        c.report(std::string("barrier: ") + collective_last_error());
+      }
+      collective_request_free(r);
+      if (collective_comm_destroy(c.comm) != COLLECTIVE_OK) c.report(collective_last_error());
+      collective_disconnect(c.client);
+      return c.failures == 0 ? 0 : 1;
+    });
+  }
+  RawClient probe(d.socket());
+  REQUIRE(probe.hello());
+  auto s = probe.status();
+  REQUIRE(s);
+  CHECK(s->message().getStatusReply().getCommunicators() == 0);
+  CHECK(s->message().getStatusReply().getRegistrations() == 0);
+}
+
+TEST_CASE("8 communicators used concurrently from the same processes") {
+  Daemon d;
+  constexpr int n = 4, kComms = 8;
+  std::vector<collective_unique_id_t> ids;
+  for (int i = 0; i < kComms; ++i) ids.push_back(new_id(d.socket()));
+  run_ranks(n, [&](int rank) {
+    collective_client_t* client = nullptr;
+    if (collective_connect(d.socket().c_str(), "multi", &client) != COLLECTIVE_OK) return 10;
+    // Join in a rank-dependent order: the rendezvous must not care.
+    std::vector<collective_comm_t*> comms(kComms);
+    std::vector<collective_request_t*> unused;
+    std::vector<std::thread> joiners;
+    std::atomic<int> bad{0};
+    for (int i = 0; i < kComms; ++i) {
+      const int c = (i + rank * 3) % kComms;
+      joiners.emplace_back([&, c] {
+        if (collective_comm_init_rank(client, &ids[c], n, rank, &comms[c]) != COLLECTIVE_OK) {
+          std::fprintf(stderr, "rank %d comm %d: %s\n", rank, c, collective_last_error());
+          bad++;
+        }
+      });
+    }
+    for (auto& t : joiners) t.join();
+    if (bad) return 11;
+    constexpr std::size_t count = 20000;
+    std::vector<float*> bufs(kComms);
+    for (int c = 0; c < kComms; ++c) {
+      void* p = nullptr;
+      if (collective_host_alloc(client, count * sizeof(float), &p) != COLLECTIVE_OK) return 12;
+      bufs[c] = static_cast<float*>(p);
+    }
+    // Three rounds of in-place all-reduce on every communicator, all in flight at once.
+    for (int c = 0; c < kComms; ++c)
+      for (std::size_t i = 0; i < count; ++i) bufs[c][i] = static_cast<float>(rank + c + i % 7);
+    std::vector<collective_request_t*> reqs;
+    for (int round = 0; round < 3; ++round) {
+      for (int c = 0; c < kComms; ++c) {
+        collective_request_t* r = nullptr;
+        if (collective_all_reduce(comms[c], bufs[c], bufs[c], count, COLLECTIVE_FLOAT32,
+                                  round == 1 ? COLLECTIVE_MAX : COLLECTIVE_SUM, &r) != COLLECTIVE_OK)
+          return 13;
+        reqs.push_back(r);
+      }
+    }
+    for (auto* r : reqs) {
+      if (collective_wait(r, 30000) != COLLECTIVE_OK) {
+        std::fprintf(stderr, "rank %d: %s\n", rank, collective_last_error());
+        return 14;
+      }
+      collective_request_free(r);
+    }
+    // round 0: sum over ranks of (r + c + i%7) = 6 + 4(c + i%7); round 1: max (same on all);
+    // round 2: x4.
+    for (int c = 0; c < kComms; ++c)
+      for (std::size_t i = 0; i < count; ++i) {
+        const float want = 4.0f * (6.0f + 4.0f * static_cast<float>(c + i % 7));
+        if (bufs[c][i] != want) {
+          std::fprintf(stderr, "rank %d comm %d element %zu: %g != %g\n", rank, c, i, bufs[c][i], want);
+          return 15;
+        }
+      }
+    for (auto* c : comms) collective_comm_destroy(c);
+    collective_disconnect(client);
+    return 0;
+  });
+}
+
+TEST_CASE("comm_split groups by color, orders by key, and NOCOLOR gets no communicator") {
+  Daemon d;
+  auto id = new_id(d.socket());
+  run_ranks(4, [&](int rank) {
+    RankCtx c = join(d.socket(), id, 4, rank, 4096);
+    collective_comm_t* sub = nullptr;
+    const int color = rank == 3 ? COLLECTIVE_SPLIT_NOCOLOR : rank % 2;
+    if (collective_comm_split(c.comm, color, -rank, &sub) != COLLECTIVE_OK) {
+      std::fprintf(stderr, "rank %d: %s\n", rank, collective_last_error());
+      return 10;
+    }
+    if (rank == 3) return sub == nullptr ? 0 : 11;
+    // Color 0: old ranks {0, 2}, keys {0, -2}: new order 2, 0. Color 1: {1} alone.
+    const int want_size = rank % 2 == 0 ? 2 : 1;
+    const int want_rank = rank == 2 ? 0 : 0 + (rank == 0 ? 1 : 0);
+    if (collective_comm_size(sub) != want_size || collective_comm_rank(sub) != want_rank) {
+      std::fprintf(stderr, "rank %d: split gave rank %d of %d\n", rank, collective_comm_rank(sub),
+                   collective_comm_size(sub));
+      return 12;
+    }
+    auto* v = reinterpret_cast<std::int32_t*>(c.send);
+    v[0] = rank + 1;
+    collective_request_t* r = nullptr;
+    if (collective_all_reduce(sub, v, c.recv, 1, COLLECTIVE_INT32, COLLECTIVE_SUM, &r) != COLLECTIVE_OK ||
+        collective_wait(r, 10000) != COLLECTIVE_OK)
+      return 13;
+    collective_request_free(r);
+    const int want = rank % 2 == 0 ? 1 + 3 : 2;
+    if (reinterpret_cast<std::int32_t*>(c.recv)[0] != want) return 14;
+    collective_comm_destroy(sub);
+    collective_comm_destroy(c.comm);
+    return 0;
+  });
+}
+
+TEST_CASE("grouped send/recv: a ring exchange, self-sends, and a mismatched pair") {
+  Daemon d;
+  auto id = new_id(d.socket());
+  constexpr int n = 3;
+  run_ranks(n, [&](int rank) {
+    RankCtx c = join(d.socket(), id, n, rank, 1 << 16);
+    auto* s = reinterpret_cast<std::int64_t*>(c.send);
+    auto* r = reinterpret_cast<std::int64_t*>(c.recv);
+    constexpr std::size_t count = 1001;
+    for (std::size_t i = 0; i < count; ++i) s[i] = rank * 100000 + static_cast<std::int64_t>(i);
+    // Send to the right, receive from the left, and to ourselves, in one group.
+    collective_group_start(c.comm);
+    collective_send(c.comm, s, count, COLLECTIVE_INT64, (rank + 1) % n);
+    collective_recv(c.comm, r, count, COLLECTIVE_INT64, (rank + n - 1) % n);
+    collective_send(c.comm, s, 10, COLLECTIVE_INT64, rank);
+    collective_recv(c.comm, r + 2000, 10, COLLECTIVE_INT64, rank);
+    collective_request_t* req = nullptr;
+    if (collective_group_end(c.comm, &req) != COLLECTIVE_OK || collective_wait(req, 10000) != COLLECTIVE_OK) {
+      std::fprintf(stderr, "rank %d: %s\n", rank, collective_last_error());
+      return 10;
+    }
+    collective_request_free(req);
+    const int left = (rank + n - 1) % n;
+    for (std::size_t i = 0; i < count; ++i)
+      if (r[i] != left * 100000 + static_cast<std::int64_t>(i)) return 11;
+    for (std::size_t i = 0; i < 10; ++i)
+      if (r[2000 + i] != rank * 100000 + static_cast<std::int64_t>(i)) return 12;
+    // Rank 0 sends 5 elements to rank 1, which expects 6: both get a mismatch.
+    if (rank < 2) {
+      collective_group_start(c.comm);
+      if (rank == 0) collective_send(c.comm, s, 5, COLLECTIVE_INT64, 1);
+      if (rank == 1) collective_recv(c.comm, r, 6, COLLECTIVE_INT64, 0);
+      collective_group_end(c.comm, &req);
+      const auto rc = collective_wait(req, 10000);
+      collective_request_free(req);
+      if (rc != COLLECTIVE_MISMATCH) return 13;
+      const char* msg = collective_last_error();
+      if (!contains(msg, "rank 0 sends 5 int64 to rank 1 but rank 1 receives 6 int64")) {
+        std::fprintf(stderr, "rank %d: %s\n", rank, msg);
+        return 14;
+      }
+    }
+    // send/recv outside a group is a usage error.
+    if (collective_send(c.comm, s, 1, COLLECTIVE_INT64, 0) != COLLECTIVE_INVALID_USAGE) return 15;
+    return 0;
+  });
+}
+
+TEST_CASE("mismatched operations fail on every rank with both ranks and both values named") {
+  Daemon d;
+  auto id = new_id(d.socket());
+  run_ranks(3, [&](int rank) {
+    RankCtx c = join(d.socket(), id, 3, rank, 1 << 16);
+    auto expect_mismatch = [&](collective_result_t submit_rc, collective_request_t* r,
+                               std::initializer_list<std::string> parts) {
+      collective_result_t rc = submit_rc;
+      if (rc == COLLECTIVE_OK) rc = collective_wait(r, 10000);
+      collective_request_free(r);
+      const std::string msg = collective_last_error();
+      if (rc != COLLECTIVE_MISMATCH) {
+        std::fprintf(stderr, "rank %d: expected a mismatch, got %d: %s\n", rank, rc, msg.c_str());
+        return false;
+      }
+      for (const auto& p : parts) {
+        if (msg.find(p) == std::string::npos) {
+          std::fprintf(stderr, "rank %d: '%s' lacks '%s'\n", rank, msg.c_str(), p.c_str());
+          return false;
+        }
+      }
+      return true;
+    };
+    collective_request_t* r = nullptr;
+    // Count: rank 1 differs.
+    auto rc = collective_all_reduce(c.comm, c.send, c.recv, rank == 1 ? 20 : 10, COLLECTIVE_FLOAT32,
+                                    COLLECTIVE_SUM, &r);
+    if (!expect_mismatch(rc, r, {"rank 1 (pid", "count=10", "count=20", "all_reduce"}))
+      return 10;
+    // Operation: rank 2 broadcasts while the others all-reduce.
+    if (rank == 2) {
+      rc = collective_broadcast(c.comm, c.send, c.recv, 10, COLLECTIVE_FLOAT32, 0, &r);
+    } else {
+      rc = collective_all_reduce(c.comm, c.send, c.recv, 10, COLLECTIVE_FLOAT32, COLLECTIVE_SUM, &r);
+    }
+    if (!expect_mismatch(rc, r, {"broadcast(count=10", "all_reduce(count=10", "rank 2 (pid"})) return 11;
+    // Dtype, reduction and root.
+    rc = collective_all_reduce(c.comm, c.send, c.recv, 10,
+                               rank == 0 ? COLLECTIVE_FLOAT64 : COLLECTIVE_FLOAT32, COLLECTIVE_SUM, &r);
+    if (!expect_mismatch(rc, r, {"dtype=double", "dtype=float"})) return 12;
+    rc = collective_all_reduce(c.comm, c.send, c.recv, 10, COLLECTIVE_FLOAT32,
+                               rank == 2 ? COLLECTIVE_MAX : COLLECTIVE_SUM, &r);
+    if (!expect_mismatch(rc, r, {"op=sum", "op=max"})) return 13;
+    rc = collective_reduce(c.comm, c.send, c.recv, 10, COLLECTIVE_FLOAT32, COLLECTIVE_SUM, rank == 1 ? 1 : 0, &r);
+    if (!expect_mismatch(rc, r, {"root=0", "root=1"})) return 14;
+    // The communicator is still usable afterwards.
+    rc = collective_all_reduce(c.comm, c.send, c.recv, 10, COLLECTIVE_FLOAT32, COLLECTIVE_SUM, &r);
+    if (rc != COLLECTIVE_OK || collective_wait(r, 10000) != COLLECTIVE_OK) return 15;
+    collective_request_free(r);
+    return 0;
+  });
+}
+
+TEST_CASE("a rank killed mid-operation: the others get an error naming it, the daemon cleans up") {
+  Daemon d({.overrides = {"deadlines.operation_ms=20000"}});
+  auto id = new_id(d.socket());
+  int ready[2];
+  REQUIRE(::pipe(ready) == 0);
+  auto* shared = static_cast<std::atomic<int>*>(
+      ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  shared[0] = 0;
+  std::vector<std::unique_ptr<Child>> kids;
+  for (int rank = 0; rank < 3; ++rank) {
+    kids.push_back(std::make_unique<Child>([&, rank] {
+      RankCtx c = join(d.socket(), id, 3, rank, 1 << 20);
+      shared[1 + rank] = static_cast<int>(::getpid());
+      if (rank == 2) {
+        char x = 'r';
+        if (::write(ready[1], &x, 1) != 1) return 1;
+        ::pause();  // killed here, never submits
+        return 0;
+      }
+      collective_request_t* r = nullptr;
+      const auto t0 = std::chrono::steady_clock::now();
+      collective_all_reduce(c.comm, c.send, c.recv, 1000, COLLECTIVE_FLOAT32, COLLECTIVE_SUM, &r);
+      shared[0]++;
+      const auto rc = collective_wait(r, 30000);
+      const auto took = std::chrono::steady_clock::now() - t0;
+      const std::string msg = collective_last_error();
+      if (rc != COLLECTIVE_REMOTE_ERROR) {
+        std::fprintf(stderr, "rank %d: got %d: %s\n", rank, rc, msg.c_str());
+        return 10;
+      }
+      if (msg.find("rank 2 (pid " + std::to_string(shared[3].load()) + ")") == std::string::npos ||
+          msg.find("all_reduce") == std::string::npos || msg.find("disconnected") == std::string::npos) {
+        std::fprintf(stderr, "rank %d: %s\n", rank, msg.c_str());
+        return 11;
+      }
+      if (took > 5s) return 12;  // the kill is noticed at once, not at the deadline
+      // Later operations fail at once too.
+      collective_request_t* r2 = nullptr;
+      collective_barrier(c.comm, &r2);
+      if (collective_wait(r2, 5000) != COLLECTIVE_REMOTE_ERROR) return 13;
+      return 0;
+    }));
+  }
+  char x = 0;
+  REQUIRE(::read(ready[0], &x, 1) == 1);
+  REQUIRE(eventually([&] { return shared[0].load() == 2; }, 10s));
+  std::this_thread::sleep_for(100ms);  // both submissions reach the daemon
+  kids[2]->kill(SIGKILL);
+  CHECK(kids[0]->wait(30s).code == 0);
+  CHECK(kids[1]->wait(30s).code == 0);
+  kids[2]->wait(5s);
+  CHECK(d.alive());
+  CHECK(d.wait_for_log("event=rank_died", 5s));
+  RawClient probe(d.socket());
+  REQUIRE(probe.hello());
+  CHECK(eventually(
+      [&] {
+        auto s = probe.status();
+        return s && s->message().getStatusReply().getRegistrations() == 0 &&
+               s->message().getStatusReply().getCommunicators() == 0;
+      },
+      5s));
+  ::munmap(shared, 4096);
+  ::close(ready[0]);
+  ::close(ready[1]);
+}
+
+TEST_CASE("a rank that never submits: the others time out with the missing rank named") {
+  Daemon d({.overrides = {"deadlines.operation_ms=400"}});
+  auto id = new_id(d.socket());
+  run_ranks(3, [&](int rank) {
+    RankCtx c = join(d.socket(), id, 3, rank, 4096);
+    collective_request_t* r = nullptr;
+    if (rank == 1) {
+      std::this_thread::sleep_for(1500ms);  // alive, but late
+      // Its late submission of the expired sequence number fails at once.
+      collective_barrier(c.comm, &r);
+      const auto rc = collective_wait(r, 5000);
+      if (rc != COLLECTIVE_TIMEOUT) {
+        std::fprintf(stderr, "rank 1: %d %s\n", rc, collective_last_error());
+        return 20;
+      }
+      return 0;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    collective_barrier(c.comm, &r);
+    const auto rc = collective_wait(r, 10000);
+    const auto took = std::chrono::steady_clock::now() - t0;
+    const std::string msg = collective_last_error();
+    if (rc != COLLECTIVE_TIMEOUT) return 10;
+    if (msg.find("ranks that did not submit it: rank 1 (pid") == std::string::npos) {
+      std::fprintf(stderr, "rank %d: %s\n", rank, msg.c_str());
+      return 11;
+    }
+    if (took < 350ms || took > 1500ms) return 12;
+    std::this_thread::sleep_for(1500ms);  // stay until rank 1 has seen its error
+    return 0;
+  });
+}
+
+TEST_CASE("rendezvous: missing ranks are named at the deadline; duplicates and size mismatches are refused") {
+  Daemon d({.overrides = {"deadlines.rendezvous_ms=500"}});
+  auto id = new_id(d.socket());
+  run_ranks(2, [&](int rank) {
+    collective_client_t* client = nullptr;
+    if (collective_connect(d.socket().c_str(), "rv", &client) != COLLECTIVE_OK) return 9;
+    collective_comm_t* comm = nullptr;
+    const auto rc = collective_comm_init_rank(client, &id, 4, rank, &comm);
+    const std::string msg = collective_last_error();
+    if (rc != COLLECTIVE_TIMEOUT || msg.find("missing ranks: 2, 3") == std::string::npos) {
+      std::fprintf(stderr, "rank %d: %d %s\n", rank, rc, msg.c_str());
+      return 10;
+    }
+    return 0;
+  });
+  auto id2 = new_id(d.socket());
+  run_ranks(2, [&](int which) {
+    collective_client_t* client = nullptr;
+    if (collective_connect(d.socket().c_str(), "rv", &client) != COLLECTIVE_OK) return 9;
+    collective_comm_t* comm = nullptr;
+    if (which == 1) std::this_thread::sleep_for(100ms);
+    // Both claim rank 0: the second is refused; the first times out.
+    const auto rc = collective_comm_init_rank(client, &id2, which == 0 ? 2 : 3, 0, &comm);
+    if (which == 1) return rc == COLLECTIVE_MISMATCH ? 0 : 10;
+    return rc == COLLECTIVE_TIMEOUT ? 0 : 11;
+  });
+}
+
+TEST_CASE("comm_abort fails the other ranks' pending operations, naming the aborting rank") {
+  Daemon d;
+  auto id = new_id(d.socket());
+  run_ranks(2, [&](int rank) {
+    RankCtx c = join(d.socket(), id, 2, rank, 4096);
+    if (rank == 0) {
+      std::this_thread::sleep_for(200ms);
+      return collective_comm_abort(c.comm) == COLLECTIVE_OK ? 0 : 10;
+    }
+    collective_request_t* r = nullptr;
+    collective_barrier(c.comm, &r);
+    const auto rc = collective_wait(r, 10000);
+    const std::string msg = collective_last_error();
+    if (rc != COLLECTIVE_ABORTED || msg.find("aborted by rank 0 (pid") == std::string::npos) {
+      std::fprintf(stderr, "rank 1: %d %s\n", rc, msg.c_str());
+      return 11;
+    }
+    return collective_comm_destroy(c.comm) == COLLECTIVE_OK ? 0 : 12;
+  });
+}
+
+TEST_CASE("buffers outside registrations are refused, in the client and in the daemon") {
+  Daemon d;
+  auto id = new_id(d.socket());
+  run_ranks(1, [&](int) {
+    RankCtx c = join(d.socket(), id, 1, 0, 4096);
+    collective_request_t* r = nullptr;
+    std::vector<float> plain(16);
+    if (collective_all_reduce(c.comm, plain.data(), c.recv, 16, COLLECTIVE_FLOAT32, COLLECTIVE_SUM,
+                              &r) != COLLECTIVE_INVALID_ARGUMENT)
+      return 10;
+    if (!contains(collective_last_error(), "not inside memory from collective_host_alloc")) return 11;
+    if (collective_all_reduce(c.comm, c.send + 4000, c.recv, 100, COLLECTIVE_FLOAT32, COLLECTIVE_SUM,
+                              &r) != COLLECTIVE_INVALID_ARGUMENT)
+      return 12;
+    if (!contains(collective_last_error(), "run past the end")) return 13;
+    return 0;
+  });
+  // The daemon's own check, with a client that lies about offsets.
+  RawClient raw(d.socket());
+  REQUIRE(raw.hello());
+  capnp::MallocMessageBuilder init;
+  auto m = init.initRoot<wire::Message>();
+  m.setId(2);
+  auto ci = m.initCommInit();
+  std::uint8_t secret[16] = {1, 2, 3};
+  ci.setSecret(capnp::Data::Reader(secret, 16));
+  collective_client_t* tmp = nullptr;
+  REQUIRE(collective_connect(d.socket().c_str(), "addr", &tmp) == COLLECTIVE_OK);
+  collective_unique_id_t uid;
+  collective_get_unique_id(tmp, &uid);
+  collective_disconnect(tmp);
+  ci.setRendezvous(uid.internal + 24);
+  ci.setNranks(1);
+  ci.setRank(0);
+  raw.send(init);
+  auto ready = raw.receive(5s);
+  REQUIRE(ready);
+  REQUIRE(ready->message().isCommReady());
+  const auto comm = ready->message().getCommReady().getComm();
+  UniqueFd mem = sealed_memfd(4096);
+  capnp::MallocMessageBuilder reg;
+  auto rm = reg.initRoot<wire::Message>();
+  rm.setId(3);
+  rm.initRegisterHost().setSize(4096);
+  raw.send(reg, {mem.get()});
+  auto regd = raw.receive(5s);
+  REQUIRE(regd);
+  const auto handle = regd->message().getRegistered().getHandle();
+  capnp::MallocMessageBuilder op;
+  auto om = op.initRoot<wire::Message>();
+  om.setId(4);
+  auto col = om.initCollective();
+  col.setComm(comm);
+  col.setKind(wire::OpKind::ALL_REDUCE);
+  col.setDtype(COLLECTIVE_FLOAT32);
+  col.setCount(100);
+  col.getSend().setHandle(handle);
+  col.getSend().setOffset(4000);
+  col.getRecv().setHandle(handle);
+  raw.send(op);
+  auto res = raw.receive(5s);
+  REQUIRE(res);
+  CHECK(error_code(*res) == Code::invalid_argument);
+  CHECK(error_message(*res).find("outside registration") != std::string::npos);
+  // Another client's communicator handle is not usable.
+  RawClient other(d.socket());
+  REQUIRE(other.hello());
+  om.setId(5);
+  other.send(op);
+  auto res2 = other.receive(5s);
+  REQUIRE(res2);
+  CHECK(error_code(*res2) == Code::permission_denied);
+}
+
+TEST_CASE("comm_destroy: a rank that left is named in the others' later errors") {
+  Daemon d;
+  auto id = new_id(d.socket());
+  run_ranks(2, [&](int rank) {
+    RankCtx c = join(d.socket(), id, 2, rank, 4096);
+    if (rank == 0) return collective_comm_destroy(c.comm) == COLLECTIVE_OK ? 0 : 10;
+    std::this_thread::sleep_for(300ms);
+    collective_request_t* r = nullptr;
+    collective_barrier(c.comm, &r);
+    const auto rc = collective_wait(r, 5000);
+    if (rc != COLLECTIVE_REMOTE_ERROR || !contains(collective_last_error(), "rank 0 (pid")) {
+      std::fprintf(stderr, "%s\n", collective_last_error());
+      return 11;
+    }
+    return collective_comm_destroy(c.comm) == COLLECTIVE_OK ? 0 : 12;
+  });
+}
