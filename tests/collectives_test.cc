@@ -497,6 +497,10 @@ TEST_CASE("grouped send/recv: a ring exchange, self-sends, and a mismatched pair
     }
     // send/recv outside a group is a usage error.
     if (collective_send(c.comm, s, 1, COLLECTIVE_INT64, 0) != COLLECTIVE_INVALID_USAGE) return 15;
+    // Nobody leaves (which would fail the others' operations) before all are done.
+    collective_barrier(c.comm, &req);
+    if (collective_wait(req, 10000) != COLLECTIVE_OK) return 16;
+    collective_request_free(req);
     return 0;
   });
 }
