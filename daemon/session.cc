@@ -39,19 +39,17 @@ const char* message_name(wire::Message::Which w) {
   }
   return "unknown";
 }
-// Hands engine results (from any thread) to the session on the event loop.
+// Hands engine results (from any thread) to the session.
 class SessionSink final : public engine::CompletionSink {
  public:
-  SessionSink(asio::any_io_executor ex, std::weak_ptr<ClientSession> session)
-      : ex_(std::move(ex)), session_(std::move(session)) {}
+  explicit SessionSink(std::weak_ptr<ClientSession> session) : session_(std::move(session)) {}
   void complete(std::uint64_t request_id, engine::Result result) override {
-    asio::post(ex_, [s = session_, request_id, result = std::move(result)]() mutable {
-      if (auto session = s.lock()) session->deliver(request_id, std::move(result));
-    });
+    // deliver() is thread-safe: the reply is written from this thread when
+    // the socket is idle, which saves a hop through the event loop.
+    if (auto session = session_.lock()) session->deliver(request_id, std::move(result));
   }
 
  private:
-  asio::any_io_executor ex_;
   std::weak_ptr<ClientSession> session_;
 };
 
@@ -91,7 +89,7 @@ std::string ClientSession::who() const {
 }
 
 engine::ClientRef ClientSession::client_ref() {
-  if (!sink_) sink_ = std::make_shared<SessionSink>(socket_.get_executor(), weak_from_this());
+  if (!sink_) sink_ = std::make_shared<SessionSink>(weak_from_this());
   return engine::ClientRef{id_, cred_.pid, sink_};
 }
 
@@ -408,55 +406,92 @@ void ClientSession::reply_error(std::uint64_t id, Code code, const std::string& 
 }
 
 void ClientSession::send(std::vector<std::byte> frame) {
+  std::unique_lock lock(write_mutex_);
   if (closed_) return;
+  if (!writing_ && outbox_.empty()) {
+    // Fast path, from any thread (workers answer here directly): the socket
+    // is idle, so write now instead of handing the frame to the event loop,
+    // which would cost a thread wake-up per completion.
+    const ssize_t n = ::send(socket_.native_handle(), frame.data(), frame.size(),
+                             MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n == static_cast<ssize_t>(frame.size())) return;
+    if (n > 0) frame.erase(frame.begin(), frame.begin() + n);
+    // EAGAIN or a short write: the event loop finishes it. Errors show up
+    // there too (as a failed write or a read of EOF).
+  }
   if (outbox_.size() >= kMaxOutboxFrames) {
-    close("not reading its replies (" + std::to_string(outbox_.size()) + " frames queued)");
+    lock.unlock();
+    asio::post(socket_.get_executor(), [self = shared_from_this(), n = outbox_.size()] {
+      self->close("not reading its replies (" + std::to_string(n) + " frames queued)");
+    });
     return;
   }
   outbox_.push_back(std::move(frame));
-  if (!writing_) write_next();
+  if (!writing_) {
+    writing_ = true;
+    asio::post(socket_.get_executor(), [self = shared_from_this()] { self->write_next(); });
+  }
 }
 
 void ClientSession::write_next() {
-  writing_ = true;
-  asio::async_write(socket_, asio::buffer(outbox_.front()),
+  std::unique_lock lock(write_mutex_);
+  if (closed_) return;
+  if (outbox_.empty()) {
+    writing_ = false;
+    const bool close_now = close_after_flush_;
+    lock.unlock();
+    if (close_now) close("closed by the daemon after an error");
+    return;
+  }
+  // A deque's front stays in place while others are pushed behind it.
+  std::vector<std::byte>& front = outbox_.front();
+  lock.unlock();
+  asio::async_write(socket_, asio::buffer(front),
                     [self = shared_from_this()](boost::system::error_code ec, std::size_t) {
-                      self->writing_ = false;
-                      if (self->closed_) return;
                       if (ec) {
                         self->close("write failed: " + ec.message());
                         return;
                       }
-                      self->outbox_.pop_front();
-                      if (!self->outbox_.empty()) {
-                        self->write_next();
-                      } else if (self->close_after_flush_) {
-                        self->close("closed by the daemon after an error");
+                      {
+                        std::lock_guard relock(self->write_mutex_);
+                        if (self->closed_) return;
+                        self->outbox_.pop_front();
                       }
+                      self->write_next();
                     });
 }
 
 void ClientSession::fail_and_close(Code code, const std::string& why) {
   if (closed_ || close_after_flush_) return;
-  send(ipc::encode_error(0, code, why));
   close_after_flush_ = true;
+  send(ipc::encode_error(0, code, why));
   // A client that does not read must not keep the session: close regardless.
   close_timer_.expires_after(std::chrono::seconds(1));
   close_timer_.async_wait([self = shared_from_this(), why](boost::system::error_code ec) {
     if (!ec) self->close(why);
   });
-  if (!writing_ && outbox_.empty()) close(why);
+  bool idle;
+  {
+    std::lock_guard lock(write_mutex_);
+    idle = !writing_ && outbox_.empty();
+  }
+  if (idle) close(why);
 }
 
 void ClientSession::close(std::string_view reason) {
   if (closed_) return;
   auto self = shared_from_this();  // the host drops its reference below
-  closed_ = true;
   boost::system::error_code ignored;
+  {
+    // Under the write lock: a worker must never write to a descriptor number
+    // that is being closed (and may be reused by the next accept).
+    std::lock_guard lock(write_mutex_);
+    closed_ = true;
+    socket_.shutdown(Socket::shutdown_both, ignored);
+    socket_.close(ignored);
+  }
   frame_timer_.cancel();
   close_timer_.cancel();
-  socket_.shutdown(Socket::shutdown_both, ignored);
-  socket_.close(ignored);
   // The engine first: its ranks of this client are dead, its peers are told.
   host_.engine().client_gone(id_);
   const std::size_t released = host_.registry().remove_all(id_);

@@ -8,7 +8,9 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -64,7 +66,7 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
   std::chrono::steady_clock::time_point connected_at() const { return connected_at_; }
   bool closed() const { return closed_; }
 
-  /// Sends the engine's answer to request `id` (event-loop thread only).
+  /// Sends the engine's answer to request `id`. Any thread.
   void deliver(std::uint64_t id, engine::Result result);
 
  private:
@@ -80,6 +82,7 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
   void handle_p2p(std::uint64_t id, wire::P2PGroup::Reader req);
   engine::ClientRef client_ref();
   void reply_error(std::uint64_t id, Code code, const std::string& message);
+  /// Queues or writes a frame. Any thread.
   void send(std::vector<std::byte> frame);
   void write_next();
   void update_frame_timer();
@@ -92,11 +95,12 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
   const std::chrono::steady_clock::time_point connected_at_;
   std::string name_;
   ipc::FrameDecoder decoder_;
+  std::mutex write_mutex_;  // guards outbox_, writing_, closed_ and the descriptor's life
   std::deque<std::vector<std::byte>> outbox_;
   bool writing_ = false;
   bool hello_done_ = false;
-  bool close_after_flush_ = false;
-  bool closed_ = false;
+  std::atomic<bool> close_after_flush_ = false;
+  std::atomic<bool> closed_ = false;
   bool frame_timer_armed_ = false;
   boost::asio::steady_timer frame_timer_;
   boost::asio::steady_timer close_timer_;

@@ -2,6 +2,8 @@
 // loop.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
@@ -16,8 +18,10 @@ namespace collectived::engine {
 /// (an escaping exception would be a bug: it is caught and counted).
 class WorkerPool {
  public:
-  /// `threads` == 0: one per online CPU.
-  explicit WorkerPool(std::size_t threads);
+  /// `threads` == 0: one per online CPU. Idle workers look for new tasks for
+  /// `spin` before they sleep.
+  explicit WorkerPool(std::size_t threads,
+                      std::chrono::microseconds spin = std::chrono::microseconds(50));
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
@@ -34,6 +38,8 @@ class WorkerPool {
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
   bool stopping_ = false;
+  std::atomic<std::size_t> pending_{0};
+  const std::chrono::microseconds spin_;
   std::vector<std::thread> threads_;
 };
 

@@ -195,6 +195,17 @@ struct Completed {
   seq @0 :UInt64;           # the operation's sequence number in its communicator
 }
 
+# --- Shared-memory fast path ---------------------------------------------------
+
+# Attaches a shared-memory ring pair for submissions and completions (layout in
+# ipc/ring.h). Two descriptors travel with it: the memfd holding the rings, and
+# an eventfd the client writes to wake the daemon's poller. Frames that fit a
+# ring slot may then go through the rings instead of the socket; the socket
+# stays for everything else.
+struct AttachRing {
+  bytes @0 :UInt64;         # size of the memfd
+}
+
 struct Message {
   id @0 :UInt64;
   union {
@@ -215,5 +226,6 @@ struct Message {
     collective @15 :Collective;
     p2pGroup @16 :P2PGroup;
     completed @17 :Completed;
+    attachRing @18 :AttachRing;
   }
 }
