@@ -21,7 +21,7 @@ class WorkerPool {
   /// `threads` == 0: one per online CPU. Idle workers look for new tasks for
   /// `spin` before they sleep.
   explicit WorkerPool(std::size_t threads,
-                      std::chrono::microseconds spin = std::chrono::microseconds(50));
+                      std::chrono::microseconds spin = std::chrono::microseconds(0));
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
