@@ -103,6 +103,23 @@ typedef struct collective_status {
 COLLECTIVE_API collective_result_t collective_status(collective_client_t* client,
                                                      collective_status_t* out);
 
+/** The answer of another node's daemon to collective_peer_ping(). */
+typedef struct collective_peer_ping {
+  char node_name[64];  /**< the peer daemon's node name */
+  uint64_t rtt_us;     /**< one heartbeat round trip between the two daemons */
+  double skew_ms;      /**< the peer's wall clock minus the local daemon's */
+  int new_connection;  /**< 1: the ping opened the daemons' connection; 0: it existed */
+} collective_peer_ping_t;
+
+/** Asks the local daemon to reach the daemon at `address` ("host:port" of its
+ *  peer listener, "[v6]:port" for IPv6): the daemons connect (authenticated
+ *  with the cluster secret) unless they already are, and measure one round
+ *  trip. The daemon answers within its deadlines.connect_ms; errors name the
+ *  peer and the reason (refused, unreachable, wrong secret, version mismatch). */
+COLLECTIVE_API collective_result_t collective_peer_ping(collective_client_t* client,
+                                                        const char* address,
+                                                        collective_peer_ping_t* out);
+
 
 /* ---------------------------------------------------------------------------
  * Communicators and collectives (NCCL's model).

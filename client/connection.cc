@@ -1,11 +1,19 @@
 #include "client/connection.h"
 
+#include <fcntl.h>
+#include <linux/futex.h>
 #include <poll.h>
+#include <sched.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include "ipc/version.h"
@@ -70,18 +78,95 @@ std::unique_ptr<Connection> Connection::open(const std::string& path, const std:
   c->rendezvous_address_ = r.getRendezvousAddress().cStr();
   c->operation_deadline_ = std::chrono::milliseconds(r.getOperationDeadlineMs());
   c->rendezvous_deadline_ = std::chrono::milliseconds(r.getRendezvousDeadlineMs());
+  const char* no_ring = std::getenv("COLLECTIVE_NO_RING");
+  if (no_ring == nullptr || std::string(no_ring) != "1") c->attach_ring();
   return c;
 }
 
+Connection::~Connection() {
+  if (ring_base_ != nullptr) ::munmap(ring_base_, ipc::ring_bytes());
+}
+
+void Connection::attach_ring() {
+  UniqueFd mem(::memfd_create("collective-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!mem || ::ftruncate(mem.get(), static_cast<off_t>(ipc::ring_bytes())) != 0 ||
+      ::fcntl(mem.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return;
+  }
+  void* p = ::mmap(nullptr, ipc::ring_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, mem.get(), 0);
+  if (p == MAP_FAILED) return;
+  ring_base_ = p;
+  ring_ = ipc::RingView(static_cast<std::byte*>(p));
+  ring_.init();
+  ring_doorbell_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!ring_doorbell_) return;
+  capnp::MallocMessageBuilder b;
+  b.initRoot<wire::Message>().initAttachRing().setBytes(ipc::ring_bytes());
+  const int fds[2] = {mem.get(), ring_doorbell_.get()};
+  try {
+    call(b, fds, Clock::now() + std::chrono::seconds(10));
+    ring_ok_ = true;
+  } catch (const Error&) {
+    // An older daemon, or one that refuses: the socket carries everything.
+  }
+}
+
+namespace {
+bool hot(wire::Message::Which w) {
+  return w == wire::Message::COLLECTIVE || w == wire::Message::P2P_GROUP ||
+         w == wire::Message::COMM_SPLIT || w == wire::Message::COMM_DESTROY ||
+         w == wire::Message::COMM_ABORT;
+}
+}  // namespace
+
 std::uint64_t Connection::send_request(capnp::MessageBuilder& request, std::span<const int> fds,
                                        Clock::time_point deadline) {
-  const std::uint64_t id = next_id_.fetch_add(1);
-  request.getRoot<wire::Message>().setId(id);
-  auto frame = ipc::encode_frame(request, static_cast<std::uint32_t>(fds.size()));
   {
     std::lock_guard lock(state_mutex_);
     if (broken_) throw *broken_;
   }
+  auto root = request.getRoot<wire::Message>();
+  if (ring_ok_ && fds.empty() && hot(root.which())) {
+    const std::uint64_t id = next_id_.fetch_add(1) | ipc::kRingRequestBit;
+    root.setId(id);
+    auto frame = ipc::encode_frame(request);
+    ipc::RingHeader& h = ring_.header();
+    std::lock_guard lock(send_mutex_);
+    if (frame.size() <= ipc::RingView::max_frame()) {
+      // Operations of a communicator are ordered by arrival, so a full ring
+      // is waited out, never bypassed through the socket.
+      while (!ipc::RingView::push(h.sq_head, h.sq_tail, ring_.sq_slot(h.sq_tail.load()), frame)) {
+        if (Clock::now() >= deadline) {
+          throw Error(Code::timeout, "the daemon did not take submissions from the ring");
+        }
+        sched_yield();
+      }
+      if (h.daemon_sleeping.load(std::memory_order_seq_cst) != 0) {
+        const std::uint64_t one = 1;
+        (void)!::write(ring_doorbell_.get(), &one, sizeof one);
+      }
+      return id;
+    }
+    // Too large for a slot: let the ring empty first, so that this request
+    // cannot overtake earlier ones; its reply still comes through the ring.
+    while (h.sq_head.load(std::memory_order_acquire) != h.sq_tail.load()) {
+      if (Clock::now() >= deadline) {
+        throw Error(Code::timeout, "the daemon did not take submissions from the ring");
+      }
+      sched_yield();
+    }
+    root.setId(id & ~ipc::kRingRequestBit);
+    frame = ipc::encode_frame(request);
+    try {
+      ipc::send_frame(fd_.get(), frame, fds, deadline);
+    } catch (const Error& e) {
+      throw session_error_or(e);
+    }
+    return id & ~ipc::kRingRequestBit;
+  }
+  const std::uint64_t id = next_id_.fetch_add(1);
+  root.setId(id);
+  auto frame = ipc::encode_frame(request, static_cast<std::uint32_t>(fds.size()));
   try {
     std::lock_guard lock(send_mutex_);
     ipc::send_frame(fd_.get(), frame, fds, deadline);
@@ -120,6 +205,7 @@ std::unique_ptr<ipc::IncomingFrame> Connection::wait_reply(std::uint64_t id,
                                                            Clock::time_point deadline) {
   std::unique_lock lock(state_mutex_);
   for (;;) {
+    drain_ring_locked();
     if (auto it = arrived_.find(id); it != arrived_.end()) {
       auto frame = std::move(it->second);
       arrived_.erase(it);
@@ -132,7 +218,11 @@ std::unique_ptr<ipc::IncomingFrame> Connection::wait_reply(std::uint64_t id,
       reader_active_ = true;
       lock.unlock();
       try {
-        read_once(deadline);
+        if ((id & ipc::kRingRequestBit) != 0 && ring_ok_) {
+          wait_ring(deadline);
+        } else {
+          read_once(deadline);
+        }
       } catch (const Error& e) {
         lock.lock();
         reader_active_ = false;
@@ -151,6 +241,7 @@ std::unique_ptr<ipc::IncomingFrame> Connection::wait_reply(std::uint64_t id,
 
 std::unique_ptr<ipc::IncomingFrame> Connection::try_reply(std::uint64_t id) {
   std::unique_lock lock(state_mutex_);
+  drain_ring_locked();
   if (auto it = arrived_.find(id); it == arrived_.end() && !broken_ && !reader_active_) {
     reader_active_ = true;
     lock.unlock();
@@ -172,6 +263,70 @@ std::unique_ptr<ipc::IncomingFrame> Connection::try_reply(std::uint64_t id) {
   }
   if (broken_) throw *broken_;
   return nullptr;
+}
+
+void Connection::drain_ring_locked() {
+  if (!ring_ok_) return;
+  ipc::RingHeader& h = ring_.header();
+  bool corrupt = false;
+  while (ipc::RingView::pop(h.cq_head, h.cq_tail, ring_.cq_slot(h.cq_head.load()), ring_scratch_,
+                            corrupt)) {
+    std::unique_ptr<ipc::IncomingFrame> frame;
+    std::uint64_t id = 0;
+    try {
+      frame = ipc::decode_frame(ring_scratch_, decoder_.limits());
+      id = frame->message().getId();
+    } catch (const std::exception& e) {
+      broken_ = Error(Code::protocol, std::string("malformed completion in the ring: ") + e.what());
+      return;
+    }
+    if (abandoned_.erase(id) > 0) continue;
+    arrived_[id] = std::move(frame);
+  }
+  // Completions waiting in the daemon for the room just made: wake its poller.
+  if (h.cq_overflow.load(std::memory_order_seq_cst) != 0 &&
+      h.daemon_sleeping.load(std::memory_order_seq_cst) != 0) {
+    const std::uint64_t one = 1;
+    (void)!::write(ring_doorbell_.get(), &one, sizeof one);
+  }
+}
+
+void Connection::wait_ring(Clock::time_point deadline) {
+  ipc::RingHeader& h = ring_.header();
+  auto ready = [&] {
+    return h.cq_tail.load(std::memory_order_acquire) != h.cq_head.load(std::memory_order_relaxed);
+  };
+  // Spin first: a small collective completes in tens of microseconds, less
+  // than a sleep and wake-up cost here. sched_yield lets the other ranks and
+  // the daemon run when there are more of them than cores.
+  const auto spin_until = std::min(deadline, Clock::now() + std::chrono::microseconds(100));
+  while (Clock::now() < spin_until) {
+    if (ready()) return;
+    sched_yield();
+  }
+  for (;;) {
+    h.client_sleeping.store(1, std::memory_order_seq_cst);
+    if (ready()) {
+      h.client_sleeping.store(0);
+      return;
+    }
+    // Short slices, so that a daemon that died (the socket closes) is noticed.
+    const auto now = Clock::now();
+    if (now >= deadline) return;
+    const auto slice = std::min<Clock::duration>(deadline - now, std::chrono::milliseconds(20));
+    timespec ts{};
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(slice).count();
+    ts.tv_sec = ns / 1000000000;
+    ts.tv_nsec = ns % 1000000000;
+    ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&h.client_sleeping), FUTEX_WAIT, 1, &ts,
+              nullptr, 0);
+    h.client_sleeping.store(0);
+    if (ready()) return;
+    // EOF or an error from the daemon ends the wait; so does any reply that
+    // came by the socket (the caller looks for its id).
+    read_once(Clock::now());
+    return;
+  }
 }
 
 void Connection::abandon(std::uint64_t id) {

@@ -16,6 +16,7 @@
 #include "ipc/error.h"
 #include "ipc/fd.h"
 #include "ipc/frame.h"
+#include "ipc/ring.h"
 
 namespace collectived::client {
 
@@ -53,6 +54,10 @@ class Connection {
   std::chrono::milliseconds operation_deadline() const { return operation_deadline_; }
   std::chrono::milliseconds rendezvous_deadline() const { return rendezvous_deadline_; }
 
+  ~Connection();
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+
   std::uint64_t session_id() const { return session_id_; }
   const std::string& node_name() const { return node_name_; }
   const std::string& daemon_version() const { return daemon_version_; }
@@ -60,6 +65,14 @@ class Connection {
 
  private:
   Connection(UniqueFd fd, std::string socket_path);
+  /// Sets up the shared-memory rings (ipc/ring.h); on failure the socket
+  /// alone carries everything.
+  void attach_ring();
+  /// Moves completions from the ring into arrived_ (state_mutex_ held).
+  void drain_ring_locked();
+  /// Waits for a ring completion: spins briefly, then sleeps on the futex word
+  /// in short slices, checking the socket between them.
+  void wait_ring(Clock::time_point deadline);
   void read_once(Clock::time_point deadline);
   Error session_error_or(const Error& fallback);
 
@@ -81,6 +94,13 @@ class Connection {
   std::map<std::uint64_t, std::unique_ptr<ipc::IncomingFrame>> arrived_;
   std::optional<Error> broken_;
   ipc::FrameDecoder decoder_;  // used by the reader only
+
+  // Shared-memory fast path.
+  void* ring_base_ = nullptr;
+  ipc::RingView ring_;
+  UniqueFd ring_doorbell_;
+  bool ring_ok_ = false;
+  std::vector<std::byte> ring_scratch_;  // completions being decoded (state_mutex_)
 };
 
 }  // namespace collectived::client

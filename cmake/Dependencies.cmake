@@ -6,3 +6,4 @@ find_package(PkgConfig REQUIRED)
 pkg_check_modules(YAMLCPP REQUIRED IMPORTED_TARGET yaml-cpp)
 pkg_check_modules(SYSTEMD REQUIRED IMPORTED_TARGET libsystemd)
 find_path(DOCTEST_INCLUDE_DIR doctest/doctest.h REQUIRED)
+find_package(OpenSSL 3.0 REQUIRED COMPONENTS Crypto)  # HMAC-SHA256, RAND_bytes: peer authentication

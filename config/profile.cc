@@ -455,7 +455,7 @@ constexpr std::array kSchema{
         [](E e, P p) { e << p.peer.listen_address; }, "peer listener bind address"},
     Key{"peer.port",
         [](N n, Profile& p, C c) {
-          p.peer.port = static_cast<std::uint16_t>(as_uint(n, c, 1, 65535));
+          p.peer.port = static_cast<std::uint16_t>(as_uint(n, c, 0, 65535));  // 0: no listener
         },
         [](E e, P p) { e << p.peer.port; }, "peer listener TCP port"},
     Key{"peer.secret_file", [](N n, Profile& p, C c) { p.peer.secret_file = as_string(n, c); },

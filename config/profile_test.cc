@@ -126,7 +126,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   CHECK(p.client.max_clients == 4096);
   CHECK(p.client.max_registrations_per_client == 65536);
   CHECK(p.peer.listen_address == "127.0.0.1");
-  CHECK(p.peer.port == 47600);
+  CHECK(p.peer.port == 0);  // no peer listener unless a node's profile asks for one
   CHECK(p.peer.secret_file == "/etc/collectived/secret");
   CHECK(p.peer.peers.empty());
   CHECK(p.deadlines.operation == 30000ms);
@@ -339,7 +339,7 @@ TEST_CASE("layers: default, then file, then --set") {
     CHECK(p.deadlines.operation == 120000ms);
     CHECK(p.deadlines.connect == 7000ms);
     CHECK(p.deadlines.rendezvous == 60000ms);
-    CHECK(p.peer.port == 47600);
+    CHECK(p.peer.port == 0);
   }
   SUBCASE("--set overrides the file; later --set wins") {
     const cfg::Profile p = cfg::load_profile(

@@ -82,11 +82,15 @@ Server::Server(config::Profile profile, ProfileSource source, engine::Logger& lo
       log_(logger),
       registry_(registry_limits(profile_)),
       engine_(engine_options(profile_), registry_, log_),
+      // An idle poller keeps polling this long before it sleeps: a little
+      // longer than a small collective's round trip through the clients.
+      ring_poller_(log_, std::chrono::microseconds(200)),
       acceptor_(io_),
       signals_(io_, SIGTERM, SIGINT, SIGHUP),
       watchdog_timer_(io_),
       shutdown_timer_(io_),
       sweep_timer_(io_),
+      peers_(io_, peer_options(profile_, kVersion), log_),
       started_(std::chrono::steady_clock::now()) {}
 
 Server::~Server() {
@@ -94,6 +98,8 @@ Server::~Server() {
 }
 
 void Server::listen() {
+  // Peers first: once the client socket answers, the daemon is fully up.
+  peers_.listen();  // peer.listen_address:peer.port, unless peer.port is 0
   const std::string& path = profile_.client.socket;
   namespace fs = std::filesystem;
   const fs::path parent = fs::path(path).parent_path();
@@ -291,6 +297,7 @@ void Server::fill_status(wire::StatusReply::Builder s) {
   s.setOperationsInFlight(es.in_flight);
   s.setOperationsCompleted(es.completed);
   s.setLogLevel(std::string(config::to_string(log_.level())).c_str());
+  fill_peer_status(peers_, s);
 }
 
 void Server::wait_signal() {
@@ -341,6 +348,7 @@ void Server::reload() {
   log_.set_level(profile_.log.level);
   registry_.set_limits(registry_limits(profile_));
   engine_.set_deadlines(profile_.deadlines.operation, profile_.deadlines.rendezvous);
+  peers_.set_deadlines(profile_.deadlines.connect, profile_.deadlines.heartbeat);
   log_.info("reloaded", {{"applied", applied}, {"needs_restart", ignored}});
   notifier_.ready();
 }
@@ -362,6 +370,7 @@ void Server::begin_shutdown(const std::string& reason) {
   sweep_timer_.cancel();
   // Every client learns why its session ends; work in flight fails with it.
   engine_.shutdown("collectived on node " + profile_.node.name + " is stopping (" + reason + ")");
+  peers_.shutdown("collectived on node " + profile_.node.name + " is stopping (" + reason + ")");
   const std::string why = "collectived on node " + profile_.node.name + " is stopping (" +
                           reason + "); in-flight operations were aborted";
   auto sessions = sessions_;

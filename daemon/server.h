@@ -14,6 +14,8 @@
 
 #include "config/profile.h"
 #include "daemon/notify.h"
+#include "daemon/peer_manager.h"
+#include "daemon/ring_poller.h"
 #include "daemon/session.h"
 #include "engine/log.h"
 #include "engine/registry.h"
@@ -43,9 +45,11 @@ class Server final : public SessionHost {
   engine::Logger& logger() override { return log_; }
   engine::Registry& registry() override { return registry_; }
   engine::Engine& engine() override { return engine_; }
+  RingPoller& ring_poller() override { return ring_poller_; }
   std::string rendezvous_address() const override;
   void fill_status(wire::StatusReply::Builder status) override;
   void session_closed(std::uint64_t session_id) override;
+  PeerManager& peers() override { return peers_; }
 
  private:
   void accept_next();
@@ -64,11 +68,15 @@ class Server final : public SessionHost {
   engine::Registry registry_;
   engine::Engine engine_;
   boost::asio::io_context io_;
+  // After io_ (sessions it holds go before the io_context), after engine_
+  // (its thread submits into the engine).
+  RingPoller ring_poller_;
   boost::asio::local::stream_protocol::acceptor acceptor_;
   boost::asio::signal_set signals_;
   boost::asio::steady_timer watchdog_timer_;
   boost::asio::steady_timer shutdown_timer_;
   boost::asio::steady_timer sweep_timer_;
+  PeerManager peers_;  // after io_: its sockets and timers live on it
   std::map<std::uint64_t, std::shared_ptr<ClientSession>> sessions_;
   std::uint64_t next_session_id_ = 1;
   bool stopping_ = false;

@@ -2,7 +2,12 @@
 
 #include <boost/asio/buffer.hpp>
 #include <boost/asio/write.hpp>
+#include <climits>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include "daemon/ring_poller.h"
 #include "engine/host_mapping.h"
 #include "ipc/version.h"
 
@@ -36,6 +41,9 @@ const char* message_name(wire::Message::Which w) {
     case wire::Message::COLLECTIVE: return "Collective";
     case wire::Message::P2P_GROUP: return "P2PGroup";
     case wire::Message::COMPLETED: return "Completed";
+    case wire::Message::PEER_PING: return "PeerPing";
+    case wire::Message::PEER_PONG: return "PeerPong";
+    case wire::Message::ATTACH_RING: return "AttachRing";
   }
   return "unknown";
 }
@@ -89,14 +97,13 @@ std::string ClientSession::who() const {
 }
 
 engine::ClientRef ClientSession::client_ref() {
-  if (!sink_) sink_ = std::make_shared<SessionSink>(weak_from_this());
   return engine::ClientRef{id_, cred_.pid, sink_};
 }
 
 void ClientSession::deliver(std::uint64_t id, engine::Result result) {
   if (closed_) return;
   if (result.code != Code::ok) {
-    reply_error(id, result.code, result.message);
+    send_reply(id, ipc::encode_error(id, result.code, result.message));
     return;
   }
   capnp::MallocMessageBuilder b;
@@ -111,7 +118,175 @@ void ClientSession::deliver(std::uint64_t id, engine::Result result) {
   } else {
     m.initCompleted().setSeq(result.seq);
   }
+  send_reply(id, ipc::encode_frame(b));
+}
+
+void ClientSession::send_reply(std::uint64_t id, std::vector<std::byte> frame) {
+  if ((id & ipc::kRingRequestBit) != 0 && ring_attached_ &&
+      frame.size() <= ipc::RingView::max_frame()) {
+    ipc::RingHeader& h = ring_.header();
+    bool pushed = false;
+    {
+      std::lock_guard lock(cq_mutex_);
+      if (cq_overflow_.empty()) {
+        pushed = ipc::RingView::push(h.cq_head, h.cq_tail, ring_.cq_slot(h.cq_tail.load()), frame);
+      }
+      if (!pushed) {
+        // The client has not drained the ring yet: keep the order, and let
+        // the poller move these in as room appears.
+        if (cq_overflow_.size() >= kMaxOutboxFrames * 16) {
+          asio::post(socket_.get_executor(), [self = shared_from_this()] {
+            self->close("not reading its completion ring");
+          });
+          return;
+        }
+        cq_overflow_.push_back(std::move(frame));
+        h.cq_overflow.store(1, std::memory_order_seq_cst);
+        return;
+      }
+    }
+    wake_client();
+    return;
+  }
+  send(std::move(frame));
+}
+
+void ClientSession::wake_client() {
+  ipc::RingHeader& h = ring_.header();
+  // The client sleeps on this futex word only after announcing it (ipc/ring.h).
+  if (h.client_sleeping.exchange(0, std::memory_order_seq_cst) != 0) {
+    ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&h.client_sleeping), FUTEX_WAKE,
+              INT32_MAX, nullptr, nullptr, 0);
+  }
+}
+
+bool ClientSession::flush_ring_overflow() {
+  ipc::RingHeader& h = ring_.header();
+  bool moved = false;
+  {
+    std::lock_guard lock(cq_mutex_);
+    while (!cq_overflow_.empty() &&
+           ipc::RingView::push(h.cq_head, h.cq_tail, ring_.cq_slot(h.cq_tail.load()),
+                               cq_overflow_.front())) {
+      cq_overflow_.pop_front();
+      moved = true;
+    }
+    if (cq_overflow_.empty()) h.cq_overflow.store(0, std::memory_order_seq_cst);
+  }
+  if (moved) wake_client();
+  return moved;
+}
+
+void ClientSession::handle_attach_ring(std::uint64_t id, wire::AttachRing::Reader req,
+                                       std::vector<UniqueFd>& fds) {
+  if (ring_attached_) throw Error(Code::invalid_usage, "a ring is already attached");
+  if (fds.size() != 2) {
+    throw Error(Code::invalid_argument,
+                "expects two descriptors (the ring memfd and a doorbell eventfd), got " +
+                    std::to_string(fds.size()));
+  }
+  if (req.getBytes() != ipc::ring_bytes()) {
+    throw Error(Code::invalid_argument, "ring of " + std::to_string(req.getBytes()) +
+                                            " bytes; this daemon uses " +
+                                            std::to_string(ipc::ring_bytes()));
+  }
+  char link[64] = {};
+  const std::string proc = "/proc/self/fd/" + std::to_string(fds[1].get());
+  if (::readlink(proc.c_str(), link, sizeof link - 1) < 0 ||
+      std::string(link) != "anon_inode:[eventfd]") {
+    throw Error(Code::invalid_argument, "the doorbell descriptor is not an eventfd");
+  }
+  ring_mapping_ = engine::HostMapping::map_memfd(std::move(fds[0]), ipc::ring_bytes());
+  ring_ = ipc::RingView(ring_mapping_.data());
+  if (!ring_.valid()) throw Error(Code::invalid_argument, "the ring header is not initialized");
+  ring_doorbell_ = std::move(fds[1]);
+  ring_attached_ = true;
+  host_.ring_poller().attach(shared_from_this(), ring_doorbell_.get());
+  capnp::MallocMessageBuilder b;
+  auto m = b.initRoot<wire::Message>();
+  m.setId(id);
+  m.setOk();
   send(ipc::encode_frame(b));
+}
+
+bool ClientSession::ring_sleep(bool sleeping) {
+  if (!ring_attached_) return false;
+  ipc::RingHeader& h = ring_.header();
+  h.daemon_sleeping.store(sleeping ? 1 : 0, std::memory_order_seq_cst);
+  bool overflow_movable;
+  {
+    std::lock_guard lock(cq_mutex_);
+    overflow_movable = !cq_overflow_.empty() &&
+                       h.cq_tail.load() - h.cq_head.load(std::memory_order_seq_cst) < ipc::kRingSlots;
+  }
+  return overflow_movable ||
+         h.sq_tail.load(std::memory_order_seq_cst) != h.sq_head.load(std::memory_order_relaxed);
+}
+
+bool ClientSession::poll_ring() {
+  if (!ring_attached_ || ring_broken_ || closed_) return false;
+  ipc::RingHeader& h = ring_.header();
+  bool any = flush_ring_overflow();
+  // Bounded per round, so one busy client cannot starve the others.
+  for (int i = 0; i < 64; ++i) {
+    bool corrupt = false;
+    if (!ipc::RingView::pop(h.sq_head, h.sq_tail, ring_.sq_slot(h.sq_head.load()), ring_frame_,
+                            corrupt)) {
+      if (corrupt && !ring_broken_.exchange(true)) {
+        asio::post(socket_.get_executor(), [self = shared_from_this()] {
+          self->fail_and_close(Code::protocol, "the submission ring's indices are corrupt");
+        });
+      }
+      break;
+    }
+    any = true;
+    std::uint64_t id = 0;
+    try {
+      auto frame = ipc::decode_frame(ring_frame_, decoder_.limits());
+      ipc::with_protocol_checks("ring", [&] {
+        auto m = frame->message();
+        id = m.getId();
+        if ((id & ipc::kRingRequestBit) == 0) {
+          throw Error(Code::protocol, "a ring request id must have the ring bit set");
+        }
+        dispatch_hot(id, m);
+      });
+    } catch (const Error& e) {
+      host_.logger().warn("request_failed", {{"session", id_},
+                                             {"pid", cred_.pid},
+                                             {"client", name_},
+                                             {"request", id},
+                                             {"via", "ring"},
+                                             {"error", e.what()}});
+      send_reply(id, ipc::encode_error(id, e.code(), e.what()));
+    }
+  }
+  return any;
+}
+
+void ClientSession::dispatch_hot(std::uint64_t id, wire::Message::Reader m) {
+  switch (m.which()) {
+    case wire::Message::COLLECTIVE:
+      handle_collective(id, m.getCollective());
+      break;
+    case wire::Message::P2P_GROUP:
+      handle_p2p(id, m.getP2pGroup());
+      break;
+    case wire::Message::COMM_SPLIT: {
+      auto r = m.getCommSplit();
+      host_.engine().comm_split(client_ref(), id, r.getComm(), r.getColor(), r.getKey());
+      break;
+    }
+    case wire::Message::COMM_DESTROY:
+      host_.engine().comm_destroy(client_ref(), id, m.getCommDestroy().getComm());
+      break;
+    case wire::Message::COMM_ABORT:
+      host_.engine().comm_abort(client_ref(), id, m.getCommAbort().getComm());
+      break;
+    default:
+      throw Error(Code::protocol,
+                  std::string(message_name(m.which())) + " cannot travel through the ring");
+  }
 }
 
 void ClientSession::handle_collective(std::uint64_t id, wire::Collective::Reader req) {
@@ -144,6 +319,7 @@ void ClientSession::handle_p2p(std::uint64_t id, wire::P2PGroup::Reader req) {
 }
 
 void ClientSession::start() {
+  sink_ = std::make_shared<SessionSink>(weak_from_this());
   // A client must say Hello within the request deadline, or it only holds a slot.
   frame_timer_armed_ = true;
   frame_timer_.expires_after(host_.profile().deadlines.client_request);
@@ -245,7 +421,8 @@ void ClientSession::dispatch(ipc::IncomingFrame& frame) {
                        std::string("the first message of a session must be Hello, not ") + what);
         return;
       }
-      if (which != wire::Message::REGISTER_HOST && !frame.fds().empty()) {
+      if (which != wire::Message::REGISTER_HOST && which != wire::Message::ATTACH_RING &&
+          !frame.fds().empty()) {
         throw Error(Code::protocol, std::string(what) + " carries " +
                                         std::to_string(frame.fds().size()) +
                                         " descriptors; it takes none (they were closed)");
@@ -263,6 +440,9 @@ void ClientSession::dispatch(ipc::IncomingFrame& frame) {
         case wire::Message::STATUS:
           handle_status(request_id);
           break;
+        case wire::Message::PEER_PING:
+          handle_peer_ping(request_id, m.getPeerPing());
+          break;
         case wire::Message::COMM_INIT: {
           auto r = m.getCommInit();
           const auto secret = r.getSecret();
@@ -272,23 +452,18 @@ void ClientSession::dispatch(ipc::IncomingFrame& frame) {
               r.getRendezvous().cStr(), r.getNranks(), r.getRank());
           break;
         }
-        case wire::Message::COMM_SPLIT: {
-          auto r = m.getCommSplit();
-          host_.engine().comm_split(client_ref(), request_id, r.getComm(), r.getColor(),
-                                    r.getKey());
-          break;
-        }
+        case wire::Message::COMM_SPLIT:
         case wire::Message::COMM_DESTROY:
-          host_.engine().comm_destroy(client_ref(), request_id, m.getCommDestroy().getComm());
-          break;
         case wire::Message::COMM_ABORT:
-          host_.engine().comm_abort(client_ref(), request_id, m.getCommAbort().getComm());
-          break;
         case wire::Message::COLLECTIVE:
-          handle_collective(request_id, m.getCollective());
-          break;
         case wire::Message::P2P_GROUP:
-          handle_p2p(request_id, m.getP2pGroup());
+          if ((request_id & ipc::kRingRequestBit) != 0) {
+            throw Error(Code::protocol, "a request id with the ring bit came on the socket");
+          }
+          dispatch_hot(request_id, m);
+          break;
+        case wire::Message::ATTACH_RING:
+          handle_attach_ring(request_id, m.getAttachRing(), frame.fds());
           break;
         case wire::Message::COMM_READY:
         case wire::Message::COMPLETED:
@@ -297,6 +472,7 @@ void ClientSession::dispatch(ipc::IncomingFrame& frame) {
         case wire::Message::OK:
         case wire::Message::REGISTERED:
         case wire::Message::STATUS_REPLY:
+        case wire::Message::PEER_PONG:
           throw Error(Code::invalid_usage,
                       std::string(what) + " is a daemon-to-client message; a client cannot send it");
         default:
@@ -481,6 +657,7 @@ void ClientSession::fail_and_close(Code code, const std::string& why) {
 void ClientSession::close(std::string_view reason) {
   if (closed_) return;
   auto self = shared_from_this();  // the host drops its reference below
+  if (ring_attached_.exchange(false)) host_.ring_poller().detach(this);
   boost::system::error_code ignored;
   {
     // Under the write lock: a worker must never write to a descriptor number

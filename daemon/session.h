@@ -16,13 +16,19 @@
 
 #include "config/profile.h"
 #include "engine/engine.h"
+#include "engine/host_mapping.h"
 #include "engine/log.h"
 #include "engine/registry.h"
 #include "ipc/frame.h"
+#include "ipc/ring.h"
 
 namespace collectived::daemon {
 
+class PeerManager;
+
 /// What a session needs from the daemon that owns it.
+class RingPoller;
+
 class SessionHost {
  public:
   virtual ~SessionHost() = default;
@@ -30,10 +36,13 @@ class SessionHost {
   virtual engine::Logger& logger() = 0;
   virtual engine::Registry& registry() = 0;
   virtual engine::Engine& engine() = 0;
+  virtual RingPoller& ring_poller() = 0;
   /// "host:port" this daemon hosts rendezvous on.
   virtual std::string rendezvous_address() const = 0;
   virtual void fill_status(wire::StatusReply::Builder status) = 0;
   virtual void session_closed(std::uint64_t session_id) = 0;
+  /// Connections to other nodes' daemons (daemon/peer_manager.h).
+  virtual PeerManager& peers() = 0;
 };
 
 /// Identity of a client from SO_PEERCRED, fixed at accept().
@@ -66,6 +75,13 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
   std::chrono::steady_clock::time_point connected_at() const { return connected_at_; }
   bool closed() const { return closed_; }
 
+  /// Ring poller thread: runs the submissions waiting in this client's ring.
+  /// True if there were any.
+  bool poll_ring();
+  /// Ring poller thread: announces (or withdraws) that the poller sleeps.
+  /// True if submissions are already waiting (then it must not sleep).
+  bool ring_sleep(bool sleeping);
+
   /// Sends the engine's answer to request `id`. Any thread.
   void deliver(std::uint64_t id, engine::Result result);
 
@@ -78,8 +94,18 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
                             std::vector<UniqueFd>& fds);
   void handle_deregister(std::uint64_t id, wire::Deregister::Reader req);
   void handle_status(std::uint64_t id);
+  void handle_attach_ring(std::uint64_t id, wire::AttachRing::Reader req,
+                          std::vector<UniqueFd>& fds);
+  /// Runs a hot-path request (collective, p2p, split, destroy, abort); any thread.
+  void dispatch_hot(std::uint64_t id, wire::Message::Reader m);
+  /// Replies through the ring when the request came through it, else the socket.
+  void send_reply(std::uint64_t id, std::vector<std::byte> frame);
+  void wake_client();
+  bool flush_ring_overflow();
   void handle_collective(std::uint64_t id, wire::Collective::Reader req);
   void handle_p2p(std::uint64_t id, wire::P2PGroup::Reader req);
+  /// PeerPing: answered asynchronously (daemon/session_peer.cc).
+  void handle_peer_ping(std::uint64_t id, wire::PeerPing::Reader req);
   engine::ClientRef client_ref();
   void reply_error(std::uint64_t id, Code code, const std::string& message);
   /// Queues or writes a frame. Any thread.
@@ -105,6 +131,16 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
   boost::asio::steady_timer frame_timer_;
   boost::asio::steady_timer close_timer_;
   std::shared_ptr<engine::CompletionSink> sink_;
+
+  // Shared-memory fast path (ipc/ring.h), set once by AttachRing.
+  engine::HostMapping ring_mapping_;
+  ipc::RingView ring_;
+  UniqueFd ring_doorbell_;
+  std::atomic<bool> ring_attached_ = false;
+  std::atomic<bool> ring_broken_ = false;
+  std::mutex cq_mutex_;  // completions come from several daemon threads
+  std::deque<std::vector<std::byte>> cq_overflow_;  // completions waiting for ring room
+  std::vector<std::byte> ring_frame_;  // poller thread's scratch
 };
 
 }  // namespace collectived::daemon

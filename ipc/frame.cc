@@ -166,6 +166,21 @@ std::unique_ptr<IncomingFrame> FrameDecoder::next() {
   return std::make_unique<IncomingFrame>(kj::mv(words), std::move(fds), limits_);
 }
 
+std::unique_ptr<IncomingFrame> decode_frame(std::span<const std::byte> bytes,
+                                            const Limits& limits) {
+  if (bytes.size() < kHeaderBytes) throw Error(Code::protocol, "ring slot shorter than a frame header");
+  const std::uint32_t magic = get_u32(bytes.data());
+  const std::uint32_t payload = get_u32(bytes.data() + 4);
+  const std::uint32_t nfds = get_u32(bytes.data() + 8);
+  if (magic != kFrameMagic || payload != bytes.size() - kHeaderBytes || payload == 0 ||
+      payload % sizeof(capnp::word) != 0 || payload > limits.max_frame_bytes || nfds != 0) {
+    throw Error(Code::protocol, "malformed frame in a ring slot");
+  }
+  auto words = kj::heapArray<capnp::word>(payload / sizeof(capnp::word));
+  std::memcpy(words.begin(), bytes.data() + kHeaderBytes, payload);
+  return std::make_unique<IncomingFrame>(kj::mv(words), std::vector<UniqueFd>{}, limits);
+}
+
 RecvResult recv_some(int fd, std::span<std::byte> space, std::vector<UniqueFd>& fds_out) {
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxPendingFds)];
   iovec iov{space.data(), space.size()};

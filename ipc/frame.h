@@ -68,6 +68,10 @@ class IncomingFrame {
   /// turn into Code::protocol (see with_protocol_checks). Either way the
   /// framing is intact, so the connection can go on.
   wire::Message::Reader message();
+  /// The message read as another root type (the peer protocol, ipc/peer.capnp);
+  /// same checks as message().
+  template <typename Root>
+  typename Root::Reader root();
   std::vector<UniqueFd>& fds() { return fds_; }
   std::size_t payload_bytes() const { return words_.size() * sizeof(capnp::word); }
 
@@ -109,6 +113,11 @@ class FrameDecoder {
   std::deque<UniqueFd> pending_fds_;
 };
 
+/// Decodes one whole frame held in `bytes` (a ring slot). Throws
+/// Error(protocol) unless `bytes` is exactly one frame without descriptors.
+std::unique_ptr<IncomingFrame> decode_frame(std::span<const std::byte> bytes,
+                                            const Limits& limits);
+
 /// Result of one non-blocking receive.
 struct RecvResult {
   std::size_t bytes = 0;
@@ -145,5 +154,11 @@ auto with_protocol_checks(std::string_view context, Fn&& fn) -> decltype(fn()) {
   } catch (const kj::Exception& e) {
     throw_malformed(context, e.getDescription().cStr());
   }
+}
+
+template <typename Root>
+typename Root::Reader IncomingFrame::root() {
+  if (!reader_) throw_malformed("segment table", malformed_.c_str());
+  return reader_->getRoot<Root>();
 }
 }  // namespace collectived::ipc

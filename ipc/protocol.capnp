@@ -107,6 +107,8 @@ struct StatusReply {
   communicators @13 :UInt32;
   operationsInFlight @14 :UInt32;
   operationsCompleted @15 :UInt64;
+  peers @16 :List(PeerInfo);     # other nodes' daemons known since start
+  peerAddress @17 :Text;         # "host:port" peers reach this daemon at ("" = no listener)
 }
 
 # --- Communicators -----------------------------------------------------------
@@ -227,5 +229,48 @@ struct Message {
     p2pGroup @16 :P2PGroup;
     completed @17 :Completed;
     attachRing @18 :AttachRing;
+    peerPing @19 :PeerPing;
+    peerPong @20 :PeerPong;
   }
+}
+
+# --- Peer daemons ----------------------------------------------------------------
+
+enum PeerLinkState {
+  connecting @0;
+  ready @1;
+  dead @2;
+}
+
+# One other node's daemon, in StatusReply.peers. Counters cover every
+# connection to it since this daemon started.
+struct PeerInfo {
+  address @0 :Text;              # "host:port" of its peer listener
+  node @1 :Text;                 # its node name ("" until a handshake told)
+  state @2 :PeerLinkState;
+  outbound @3 :Bool;             # the connection in use was opened by this daemon
+  streams @4 :UInt32;            # TCP streams of the connection in use
+  bytesSent @5 :UInt64;
+  bytesReceived @6 :UInt64;
+  rttUs @7 :UInt64;              # last heartbeat round trip (0: none yet)
+  clockSkewMs @8 :Float64;       # its wall clock minus this node's
+  errors @9 :UInt64;             # connections that failed or were refused
+  connections @10 :UInt32;       # connections opened, either way, since start
+  connectedSinceUnixMs @11 :Int64;  # when the connection in use became ready (0: none)
+  connectedMs @12 :UInt64;       # for how long
+  lastError @13 :Text;           # why the last connection failed
+}
+
+# Asks the daemon to reach another node's daemon: opens the connection if
+# needed (authenticated, deadlines.connect_ms) and measures one heartbeat
+# round trip. Answered by PeerPong or an error naming the peer.
+struct PeerPing {
+  address @0 :Text;              # "host:port" of the peer's listener
+}
+
+struct PeerPong {
+  node @0 :Text;
+  rttUs @1 :UInt64;
+  skewMs @2 :Float64;            # the peer's wall clock minus this node's
+  newConnection @3 :Bool;        # the ping opened the connection
 }

@@ -1,0 +1,894 @@
+#include "daemon/peer_link.h"
+
+#include <boost/asio/connect.hpp>
+#include <boost/asio/ip/address.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/write.hpp>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+
+namespace collectived::daemon {
+
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+
+namespace {
+
+// Bounds on what one peer may make this daemon hold for reassembly.
+constexpr std::uint64_t kMaxMessageBytes = std::uint64_t{1} << 30;  // one message
+constexpr std::uint64_t kMaxHeldBytes = std::uint64_t{2} << 30;     // all incomplete ones
+// Largest frame accepted after the handshake: the largest tcp.chunk_bytes the
+// profile allows (nodes may differ), plus room for the chunk's fields.
+constexpr std::uint64_t kMaxPeerFrame = (std::uint64_t{64} << 20) + 64 * 1024;
+
+void put_u32(std::byte* p, std::uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
+}
+
+std::uint64_t steady_ns() {
+  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        PeerClock::now().time_since_epoch())
+                                        .count());
+}
+
+std::int64_t wall_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string ms_text(std::chrono::milliseconds ms) { return std::to_string(ms.count()) + " ms"; }
+
+}  // namespace
+
+std::string_view to_string(PeerState state) {
+  switch (state) {
+    case PeerState::connecting: return "connecting";
+    case PeerState::ready: return "ready";
+    case PeerState::dead: return "dead";
+  }
+  return "unknown";
+}
+
+std::string endpoint_text(const tcp::endpoint& endpoint) {
+  asio::ip::address a = endpoint.address();
+  if (a.is_v6() && a.to_v6().is_v4_mapped()) {
+    a = asio::ip::make_address_v4(asio::ip::v4_mapped, a.to_v6());
+  }
+  const std::string port = std::to_string(endpoint.port());
+  return a.is_v6() ? "[" + a.to_string() + "]:" + port : a.to_string() + ":" + port;
+}
+
+PeerAddress parse_peer_address(const std::string& text) {
+  auto bad = [&](const std::string& why) -> Error {
+    return Error(Code::invalid_argument, "bad peer address \"" + text + "\": " + why +
+                                             " (expected host:port, or [IPv6]:port)");
+  };
+  PeerAddress out;
+  std::string port;
+  if (!text.empty() && text.front() == '[') {
+    const auto close = text.find(']');
+    if (close == std::string::npos || close + 1 >= text.size() || text[close + 1] != ':') {
+      throw bad("no ]:port after the IPv6 address");
+    }
+    out.host = text.substr(1, close - 1);
+    port = text.substr(close + 2);
+  } else {
+    const auto colon = text.rfind(':');
+    if (colon == std::string::npos) throw bad("no port");
+    out.host = text.substr(0, colon);
+    port = text.substr(colon + 1);
+    if (out.host.find(':') != std::string::npos) throw bad("an IPv6 address needs brackets");
+  }
+  if (out.host.empty()) throw bad("no host");
+  if (port.empty() || port.size() > 5 ||
+      !std::all_of(port.begin(), port.end(), [](unsigned char c) { return std::isdigit(c); })) {
+    throw bad("the port is not a number");
+  }
+  const unsigned long p = std::stoul(port);
+  if (p == 0 || p > 65535) throw bad("the port is not in 1..65535");
+  out.port = static_cast<std::uint16_t>(p);
+  boost::system::error_code ec;
+  const auto ip = asio::ip::make_address(out.host, ec);
+  if (!ec) {
+    out.key = endpoint_text(tcp::endpoint(ip, out.port));
+    out.host = ip.to_string();
+  } else {
+    for (char& c : out.host) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (out.host.size() > 253) throw bad("the host name is too long");
+    out.key = out.host + ":" + port;
+  }
+  return out;
+}
+
+// --- PeerStream ------------------------------------------------------------------
+
+PeerStream::PeerStream(tcp::socket socket, std::uint64_t max_frame_bytes)
+    : socket_(std::move(socket)),
+      decoder_(ipc::Limits::for_max_frame(max_frame_bytes)),
+      close_timer_(socket_.get_executor()),
+      last_received_(PeerClock::now()) {
+  boost::system::error_code ec;
+  const auto remote = socket_.remote_endpoint(ec);
+  if (!ec) remote_text_ = endpoint_text(remote);
+  const auto local = socket_.local_endpoint(ec);
+  if (!ec) local_text_ = endpoint_text(local);
+}
+
+void PeerStream::start() { read_next(); }
+
+bool PeerStream::set_max_frame(std::uint64_t max_frame_bytes) {
+  // Only between frames, and only from inside a message handler, when no read
+  // is in progress (the read targets the decoder's buffer).
+  if (decoder_.buffered_bytes() != 0) return false;
+  decoder_ = ipc::FrameDecoder(ipc::Limits::for_max_frame(max_frame_bytes));
+  return true;
+}
+
+void PeerStream::read_next() {
+  const auto space = decoder_.read_space();
+  socket_.async_read_some(asio::buffer(space.data(), space.size()),
+                          [self = shared_from_this()](const boost::system::error_code& ec,
+                                                      std::size_t n) { self->on_read(ec, n); });
+}
+
+void PeerStream::on_read(const boost::system::error_code& ec, std::size_t n) {
+  if (closed_) return;
+  if (ec) {
+    fail(Code::unavailable, ec == asio::error::eof || ec == asio::error::connection_reset
+                                ? "the connection was closed by the other side"
+                                : "read failed: " + ec.message(),
+         false);
+    return;
+  }
+  bytes_received_ += n;
+  last_received_ = PeerClock::now();
+  decoder_.commit(n);
+  try {
+    while (!closed_) {
+      auto frame = decoder_.next();
+      if (!frame) break;
+      auto sink = sink_.lock();
+      if (!sink) {
+        close();
+        return;
+      }
+      ipc::with_protocol_checks("peer message", [&] {
+        sink->on_stream_message(*this, frame->root<peerwire::PeerMessage>());
+      });
+    }
+  } catch (const Error& e) {
+    // Bad framing or a message that breaks the protocol: the stream cannot be
+    // trusted any more. The other side learns why.
+    fail(e.code() == Code::ok ? Code::protocol : e.code(), e.what(), true);
+    return;
+  }
+  if (!closed_) read_next();
+}
+
+void PeerStream::send_frame(std::vector<std::byte> frame) {
+  if (closed_ || closing_) return;
+  control_.push_back(std::move(frame));
+  if (!writing_) write_next();
+}
+
+void PeerStream::send_chunk(Chunk chunk) {
+  if (closed_ || closing_) return;
+  data_.push_back(std::move(chunk));
+  if (!writing_) write_next();
+}
+
+void PeerStream::write_next() {
+  if (closed_) return;
+  std::vector<asio::const_buffer> buffers;
+  current_builder_.reset();
+  current_written_ = nullptr;
+  if (!control_.empty()) {
+    current_frame_ = std::move(control_.front());
+    control_.pop_front();
+    buffers.push_back(asio::buffer(current_frame_));
+  } else if (!data_.empty()) {
+    Chunk c = std::move(data_.front());
+    data_.pop_front();
+    // One copy of the payload, into a single-segment message; header, segment
+    // table and segment go out as they are (the same bytes encode_frame makes).
+    const std::size_t words = (c.length + 7) / 8 + 32;
+    current_builder_ = std::make_unique<capnp::MallocMessageBuilder>(
+        static_cast<unsigned>(words), capnp::AllocationStrategy::GROW_HEURISTICALLY);
+    auto d = current_builder_->initRoot<peerwire::PeerMessage>().initData();
+    d.setChannel(c.channel);
+    d.setSeq(c.seq);
+    d.setOffset(c.offset);
+    d.setTotal(c.payload->size());
+    if (c.length > 0) {
+      d.setPayload(capnp::Data::Reader(
+          reinterpret_cast<const kj::byte*>(c.payload->data() + c.offset), c.length));
+    }
+    const auto segments = current_builder_->getSegmentsForOutput();
+    current_table_.clear();
+    current_table_.push_back(static_cast<std::uint32_t>(segments.size() - 1));
+    std::size_t bytes = 0;
+    for (const auto& s : segments) {
+      current_table_.push_back(static_cast<std::uint32_t>(s.size()));
+      bytes += s.size() * sizeof(capnp::word);
+    }
+    if (current_table_.size() % 2 != 0) current_table_.push_back(0);
+    bytes += current_table_.size() * sizeof(std::uint32_t);
+    put_u32(current_header_.data(), ipc::kFrameMagic);
+    put_u32(current_header_.data() + 4, static_cast<std::uint32_t>(bytes));
+    put_u32(current_header_.data() + 8, 0);
+    put_u32(current_header_.data() + 12, 0);
+    buffers.push_back(asio::buffer(current_header_));
+    buffers.push_back(asio::buffer(current_table_.data(),
+                                   current_table_.size() * sizeof(std::uint32_t)));
+    for (const auto& s : segments) {
+      buffers.push_back(asio::buffer(s.begin(), s.size() * sizeof(capnp::word)));
+    }
+    current_written_ = std::move(c.written);
+  } else {
+    writing_ = false;
+    if (closing_) close();
+    return;
+  }
+  writing_ = true;
+  asio::async_write(socket_, buffers,
+                    [self = shared_from_this()](const boost::system::error_code& ec,
+                                                std::size_t n) {
+                      if (self->closed_) return;
+                      if (ec) {
+                        self->fail(Code::unavailable, "write failed: " + ec.message(), false);
+                        return;
+                      }
+                      self->bytes_sent_ += n;
+                      if (auto written = std::move(self->current_written_)) {
+                        self->current_written_ = nullptr;
+                        written();
+                      }
+                      self->write_next();
+                    });
+}
+
+void PeerStream::close_after(std::vector<std::byte> last) {
+  if (closed_ || closing_) return;
+  data_.clear();
+  if (!writing_ && control_.empty()) {
+    // Idle: try at once, so that the frame leaves even if the event loop
+    // stops right after (daemon shutdown).
+    const ssize_t n = ::send(socket_.native_handle(), last.data(), last.size(),
+                             MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n == static_cast<ssize_t>(last.size())) {
+      bytes_sent_ += last.size();
+      close();
+      return;
+    }
+    if (n > 0) {
+      bytes_sent_ += static_cast<std::uint64_t>(n);
+      last.erase(last.begin(), last.begin() + n);
+    }
+  }
+  control_.push_back(std::move(last));
+  closing_ = true;
+  close_timer_.expires_after(std::chrono::seconds(1));
+  close_timer_.async_wait([self = shared_from_this()](const boost::system::error_code& ec) {
+    if (!ec) self->close();
+  });
+  if (!writing_) write_next();
+}
+
+void PeerStream::close() {
+  if (closed_) return;
+  closed_ = true;
+  writing_ = false;
+  boost::system::error_code ignored;
+  socket_.shutdown(tcp::socket::shutdown_both, ignored);
+  socket_.close(ignored);
+  close_timer_.cancel();
+  control_.clear();
+  data_.clear();
+  current_written_ = nullptr;
+}
+
+void PeerStream::fail(Code code, const std::string& why, bool tell_peer) {
+  if (closed_) return;
+  auto self = shared_from_this();
+  if (tell_peer) {
+    close_after(encode_peer_error(code, why));
+  } else {
+    close();
+  }
+  if (auto sink = sink_.lock()) sink->on_stream_closed(*this, code, why);
+}
+
+// --- PeerLink --------------------------------------------------------------------
+
+PeerLink::PeerLink(asio::io_context& io, const PeerOptions& options, const Secret& secret,
+                   Owner& owner, std::string key, bool outbound, std::string known_node)
+    : io_(io),
+      options_(options),
+      secret_(secret),
+      owner_(owner),
+      key_(std::move(key)),
+      outbound_(outbound),
+      node_(std::move(known_node)),
+      resolver_(io),
+      connect_timer_(io),
+      heartbeat_timer_(io) {}
+
+PeerLink::~PeerLink() {
+  for (auto& s : streams_) {
+    if (s) s->close();
+  }
+}
+
+std::string PeerLink::describe() const {
+  return node_.empty() ? "the peer daemon at " + key_ : "node " + node_ + " (" + key_ + ")";
+}
+
+std::uint64_t PeerLink::max_frame() const { return kMaxPeerFrame; }
+
+std::uint64_t PeerLink::bytes_sent() const {
+  std::uint64_t n = 0;
+  for (const auto& s : streams_) {
+    if (s) n += s->bytes_sent();
+  }
+  return n;
+}
+
+std::uint64_t PeerLink::bytes_received() const {
+  std::uint64_t n = 0;
+  for (const auto& s : streams_) {
+    if (s) n += s->bytes_received();
+  }
+  return n;
+}
+
+void PeerLink::connect() {
+  connection_id_ = random_u64();
+  streams_wanted_ = std::max<std::uint32_t>(1, options_.streams_per_peer);
+  streams_.resize(streams_wanted_);
+  handshakes_.resize(streams_wanted_);
+  std::weak_ptr<PeerLink> weak = shared_from_this();
+  const auto deadline = options_.connect_deadline;
+  connect_timer_.expires_after(deadline);
+  connect_timer_.async_wait([weak, deadline](const boost::system::error_code& ec) {
+    auto self = weak.lock();
+    if (ec || !self || self->state_ != PeerState::connecting) return;
+    self->fail(Code::timeout,
+               "no connection to " + self->describe() + " within " + ms_text(deadline) +
+                   " (deadlines.connect_ms): " +
+                   (self->streams_ready_ == 0
+                        ? std::string("the daemon did not answer")
+                        : std::to_string(self->streams_ready_) + " of " +
+                              std::to_string(self->streams_wanted_) + " streams were ready"),
+               false, true);
+  });
+  PeerAddress address;
+  try {
+    address = parse_peer_address(key_);
+  } catch (const Error& e) {
+    asio::post(io_, [weak, code = e.code(), why = std::string(e.what())] {
+      if (auto self = weak.lock()) self->fail(code, why, false, false);
+    });
+    return;
+  }
+  // Stream 0 alone first: a refusal (secret, version) then happens once, and
+  // the other streams go to the address that answered.
+  resolver_.async_resolve(
+      address.host, std::to_string(address.port), tcp::resolver::numeric_service,
+      [weak, host = address.host](const boost::system::error_code& ec,
+                                  tcp::resolver::results_type results) {
+        auto self = weak.lock();
+        if (!self || self->state_ != PeerState::connecting) return;
+        if (ec) {
+          self->fail(Code::unavailable,
+                     "cannot resolve " + host + " for " + self->describe() + ": " + ec.message(),
+                     false, false);
+          return;
+        }
+        // The first address of the family this daemon listens on, else the first.
+        boost::system::error_code ignored;
+        self->endpoint_ = results.begin()->endpoint();
+        const auto own = asio::ip::make_address(self->options_.bind_address, ignored);
+        for (const auto& r : results) {
+          if (r.endpoint().address().is_v4() == own.is_v4()) {
+            self->endpoint_ = r.endpoint();
+            break;
+          }
+        }
+        self->open_stream(0, self->endpoint_);
+      });
+}
+
+void PeerLink::open_stream(std::uint32_t index, const tcp::endpoint& endpoint) {
+  std::weak_ptr<PeerLink> weak = shared_from_this();
+  auto socket = std::make_shared<tcp::socket>(io_);
+  boost::system::error_code ec;
+  socket->open(endpoint.protocol(), ec);
+  // Leave from the address this daemon listens on (the node's data-network
+  // address), unless it listens everywhere or the route could not use it.
+  boost::system::error_code bec;
+  const auto own = asio::ip::make_address(options_.bind_address, bec);
+  if (!ec && !bec && options_.port != 0 && !own.is_unspecified() &&
+      own.is_v4() == endpoint.address().is_v4() &&
+      own.is_loopback() == endpoint.address().is_loopback()) {
+    socket->bind(tcp::endpoint(own, 0), ec);
+  }
+  auto failed = [weak, index](const boost::system::error_code& e) {
+    auto self = weak.lock();
+    if (!self || self->state_ == PeerState::dead) return;
+    if (index == 0) {
+      self->fail(Code::unavailable, "cannot connect to " + self->describe() + ": " + e.message(),
+                 false, false);
+    } else {
+      self->fail(Code::unavailable,
+                 "cannot open stream " + std::to_string(index) + " to " + self->describe() +
+                     ": " + e.message(),
+                 false, true);
+    }
+  };
+  if (ec) {
+    asio::post(io_, [failed, ec] { failed(ec); });
+    return;
+  }
+  socket->async_connect(endpoint, [weak, socket, index, failed](const boost::system::error_code& e) {
+    auto self = weak.lock();
+    if (!self || self->state_ == PeerState::dead) return;
+    if (e) {
+      failed(e);
+      return;
+    }
+    self->start_stream(index, std::move(*socket));
+  });
+}
+
+void PeerLink::start_stream(std::uint32_t index, tcp::socket socket) {
+  boost::system::error_code ignored;
+  socket.set_option(tcp::no_delay(true), ignored);
+  auto stream = std::make_shared<PeerStream>(std::move(socket), max_frame());
+  stream->index = index;
+  streams_[index] = stream;
+  PeerIdentity me = options_.local;
+  if (options_.listen_any) {
+    // Announce the address this connection leaves from, with the listener's port.
+    const std::string& local = stream->local_text();
+    me.listen_address = local.substr(0, local.rfind(':')) + ":" + std::to_string(options_.port);
+  }
+  handshakes_[index] = std::make_unique<Handshake>(secret_, std::move(me), connection_id_, index,
+                                                   streams_wanted_, stream->remote_text());
+  stream->set_sink(std::static_pointer_cast<StreamSink>(shared_from_this()));
+  stream->start();
+  for (auto& frame : handshakes_[index]->start()) stream->send_frame(std::move(frame));
+}
+
+void PeerLink::on_handshake_message(PeerStream& stream, Handshake& hs,
+                                    peerwire::PeerMessage::Reader message) {
+  auto frames = hs.on_message(message);
+  if (hs.state() == Handshake::State::failed) {
+    if (!frames.empty()) {
+      stream.close_after(std::move(frames.back()));
+    } else {
+      stream.close();
+    }
+    if (node_.empty()) node_ = hs.remote().node;
+    fail(hs.error_code(), hs.error(), true, false);
+    return;
+  }
+  for (auto& f : frames) stream.send_frame(std::move(f));
+  if (hs.state() != Handshake::State::done) return;
+  if (stream.index == 0) {
+    remote_ = hs.remote();
+    node_ = remote_.node;
+    for (std::uint32_t i = 1; i < streams_wanted_; ++i) open_stream(i, endpoint_);
+  } else if (hs.remote().node != node_) {
+    fail(Code::protocol,
+         "stream " + std::to_string(stream.index) + " to " + key_ + " reached node " +
+             hs.remote().node + ", stream 0 reached node " + node_,
+         false, true);
+    return;
+  }
+  if (++streams_ready_ == streams_wanted_) become_ready();
+}
+
+void PeerLink::attach(std::shared_ptr<PeerStream> stream, const Handshake& hs) {
+  if (state_ == PeerState::dead) {
+    stream->close();
+    return;
+  }
+  if (streams_.empty()) {
+    connection_id_ = hs.connection_id();
+    streams_wanted_ = hs.streams();
+    streams_.resize(streams_wanted_);
+    remote_ = hs.remote();
+    node_ = remote_.node;
+    std::weak_ptr<PeerLink> weak = shared_from_this();
+    const auto deadline = options_.connect_deadline;
+    connect_timer_.expires_after(deadline);
+    connect_timer_.async_wait([weak, deadline](const boost::system::error_code& ec) {
+      auto self = weak.lock();
+      if (ec || !self || self->state_ != PeerState::connecting) return;
+      self->fail(Code::timeout,
+                 "only " + std::to_string(self->streams_ready_) + " of " +
+                     std::to_string(self->streams_wanted_) + " streams of " + self->describe() +
+                     " arrived within " + ms_text(deadline) + " (deadlines.connect_ms)",
+                 false, true);
+    });
+  }
+  const std::uint32_t index = hs.stream_index();
+  if (hs.streams() != streams_wanted_ || index >= streams_wanted_ || streams_[index] ||
+      hs.remote().node != node_) {
+    stream->close_after(encode_peer_error(
+        Code::protocol, "stream " + std::to_string(index) + " of " +
+                            std::to_string(hs.streams()) + " does not fit connection " +
+                            std::to_string(connection_id_) + " of " + describe() + " (" +
+                            std::to_string(streams_wanted_) + " streams)"));
+    return;
+  }
+  stream->index = index;
+  streams_[index] = stream;
+  stream->set_sink(std::static_pointer_cast<StreamSink>(shared_from_this()));
+  stream->set_max_frame(max_frame());
+  if (++streams_ready_ == streams_wanted_) become_ready();
+}
+
+void PeerLink::become_ready() {
+  auto self = shared_from_this();
+  state_ = PeerState::ready;
+  connect_timer_.cancel();
+  handshakes_.clear();
+  ready_wall_ = std::chrono::system_clock::now();
+  for (auto& s : streams_) s->touch();
+  owner_.link_ready(*this);
+  if (state_ != PeerState::ready) return;
+  // A first heartbeat at once, so that status shows the RTT from the start.
+  for (auto& s : streams_) s->send_frame(heartbeat_frame(next_heartbeat_seq_++));
+  arm_heartbeat();
+  for (auto& [seq, p] : pings_) {
+    if (!p.sent) send_ping(seq);
+  }
+  while (!queued_.empty() && state_ == PeerState::ready) {
+    Queued q = std::move(queued_.front());
+    queued_.pop_front();
+    start_send(q.channel, std::move(q.payload), std::move(q.done));
+  }
+}
+
+void PeerLink::on_stream_message(PeerStream& stream, peerwire::PeerMessage::Reader m) {
+  if (state_ == PeerState::dead) return;
+  if (stream.index < handshakes_.size() && handshakes_[stream.index] &&
+      handshakes_[stream.index]->state() == Handshake::State::in_progress) {
+    on_handshake_message(stream, *handshakes_[stream.index], m);
+    return;
+  }
+  using W = peerwire::PeerMessage;
+  switch (m.which()) {
+    case W::HEARTBEAT:
+      on_heartbeat(stream, m.getHeartbeat());
+      return;
+    case W::HEARTBEAT_ACK:
+      on_heartbeat_ack(m.getHeartbeatAck());
+      return;
+    case W::DATA:
+      on_data(m.getData());
+      return;
+    case W::ERROR: {
+      const auto e = m.getError();
+      Code code = code_from_wire(static_cast<std::uint16_t>(e.getCode()));
+      if (code == Code::ok) code = Code::remote;
+      fail(code, describe() + " closed the connection: " + e.getMessage().cStr(), false, false);
+      return;
+    }
+    default:
+      throw Error(Code::protocol, "sent a handshake message (" +
+                                      std::to_string(static_cast<int>(m.which())) +
+                                      ") after the handshake");
+  }
+}
+
+void PeerLink::on_stream_closed(PeerStream& stream, Code code, const std::string& why) {
+  if (state_ == PeerState::dead) return;
+  fail(code,
+       describe() + ": " + why + " (stream " + std::to_string(stream.index) +
+           (state_ == PeerState::connecting ? ", while connecting)" : ")"),
+       false, true);
+}
+
+void PeerLink::close(Code code, const std::string& why, bool tell_peer) {
+  fail(code, why, false, tell_peer);
+}
+
+void PeerLink::fail(Code code, const std::string& why, bool refused, bool tell_peer) {
+  if (state_ == PeerState::dead) return;
+  auto self = shared_from_this();
+  const PeerState was = state_;
+  state_ = PeerState::dead;
+  dead_code_ = code;
+  dead_reason_ = why;
+  connect_timer_.cancel();
+  heartbeat_timer_.cancel();
+  resolver_.cancel();
+  for (auto& s : streams_) {
+    if (!s) continue;
+    if (tell_peer) {
+      s->close_after(encode_peer_error(code, why, options_.local.node));
+    } else {
+      s->close();
+    }
+  }
+  owner_.link_dead(*this, was, code, why, refused);
+  const PeerResult result{code, why};
+  auto queued = std::move(queued_);
+  auto in_flight = std::move(in_flight_);
+  auto pings = std::move(pings_);
+  queued_.clear();
+  in_flight_.clear();
+  pings_.clear();
+  partial_.clear();
+  early_.clear();
+  held_bytes_ = 0;
+  for (auto& q : queued) {
+    if (q.done) q.done(result);
+  }
+  for (auto& [id, f] : in_flight) {
+    if (f.done) f.done(result);
+  }
+  for (auto& [seq, p] : pings) {
+    p.timer->cancel();
+    PingReply reply;
+    reply.result = result;
+    reply.node = node_;
+    if (p.done) p.done(reply);
+  }
+}
+
+// --- Heartbeats and pings ---------------------------------------------------------
+
+std::vector<std::byte> PeerLink::heartbeat_frame(std::uint64_t seq) const {
+  capnp::MallocMessageBuilder b(64);
+  auto h = b.initRoot<peerwire::PeerMessage>().initHeartbeat();
+  h.setSeq(seq);
+  h.setSentNs(steady_ns());
+  h.setWallNs(wall_ns());
+  return ipc::encode_frame(b);
+}
+
+void PeerLink::arm_heartbeat() {
+  std::weak_ptr<PeerLink> weak = shared_from_this();
+  heartbeat_timer_.expires_after(options_.heartbeat_interval);
+  heartbeat_timer_.async_wait([weak](const boost::system::error_code& ec) {
+    auto self = weak.lock();
+    if (ec || !self || self->state_ != PeerState::ready) return;
+    self->heartbeat_tick();
+  });
+}
+
+void PeerLink::heartbeat_tick() {
+  // Anything received counts as a sign of life; a stream silent for three
+  // intervals means the peer (or the path to it) is gone.
+  const auto interval = options_.heartbeat_interval;
+  const auto now = PeerClock::now();
+  for (auto& s : streams_) {
+    const auto silent =
+        std::chrono::duration_cast<std::chrono::milliseconds>(now - s->last_received());
+    if (silent > 3 * interval) {
+      fail(Code::unavailable,
+           describe() + " missed 3 heartbeats: nothing arrived on stream " +
+               std::to_string(s->index) + " for " + ms_text(silent) +
+               " (deadlines.heartbeat_ms = " + std::to_string(interval.count()) + ")",
+           false, true);
+      return;
+    }
+  }
+  for (auto& s : streams_) s->send_frame(heartbeat_frame(next_heartbeat_seq_++));
+  arm_heartbeat();
+}
+
+void PeerLink::on_heartbeat(PeerStream& stream, peerwire::Heartbeat::Reader hb) {
+  capnp::MallocMessageBuilder b(64);
+  auto a = b.initRoot<peerwire::PeerMessage>().initHeartbeatAck();
+  a.setSeq(hb.getSeq());
+  a.setEchoSentNs(hb.getSentNs());
+  a.setWallNs(wall_ns());
+  stream.send_frame(ipc::encode_frame(b));
+}
+
+void PeerLink::on_heartbeat_ack(peerwire::HeartbeatAck::Reader ack) {
+  const std::uint64_t now = steady_ns();
+  const std::uint64_t sent = ack.getEchoSentNs();
+  const std::uint64_t rtt_ns = now > sent ? now - sent : 0;
+  // The peer read its clock about half a round trip before the ack arrived.
+  const std::int64_t ours = wall_ns() - static_cast<std::int64_t>(rtt_ns / 2);
+  have_rtt_ = true;
+  rtt_us_ = rtt_ns / 1000;
+  skew_ms_ = static_cast<double>(ack.getWallNs() - ours) / 1e6;
+  const auto it = pings_.find(ack.getSeq());
+  if (it == pings_.end() || !it->second.sent) return;
+  PingDone done = std::move(it->second.done);
+  it->second.timer->cancel();
+  pings_.erase(it);
+  PingReply reply;
+  reply.node = node_;
+  reply.rtt_us = rtt_us_;
+  reply.skew_ms = skew_ms_;
+  if (done) done(reply);
+}
+
+void PeerLink::ping(PeerClock::time_point deadline, PingDone done) {
+  if (state_ == PeerState::dead) {
+    PingReply reply;
+    reply.result = {dead_code_, dead_reason_};
+    reply.node = node_;
+    asio::post(io_, [done = std::move(done), reply] { done(reply); });
+    return;
+  }
+  const std::uint64_t seq = next_heartbeat_seq_++;
+  auto& p = pings_[seq];
+  p.done = std::move(done);
+  p.timer = std::make_unique<asio::steady_timer>(io_);
+  p.timer->expires_at(deadline);
+  std::weak_ptr<PeerLink> weak = shared_from_this();
+  const auto allowed = std::chrono::duration_cast<std::chrono::milliseconds>(
+      deadline - PeerClock::now());
+  p.timer->async_wait([weak, seq, allowed](const boost::system::error_code& ec) {
+    auto self = weak.lock();
+    if (ec || !self) return;
+    const auto it = self->pings_.find(seq);
+    if (it == self->pings_.end()) return;
+    PingDone expired = std::move(it->second.done);
+    self->pings_.erase(it);
+    PingReply reply;
+    reply.node = self->node_;
+    reply.result = {Code::timeout,
+                    "no answer from " + self->describe() + " within " + ms_text(allowed) +
+                        " (deadlines.connect_ms)" +
+                        (self->state_ == PeerState::connecting ? " while connecting" : "")};
+    if (expired) expired(reply);
+  });
+  if (state_ == PeerState::ready) send_ping(seq);
+}
+
+void PeerLink::send_ping(std::uint64_t seq) {
+  pings_[seq].sent = true;
+  streams_[0]->send_frame(heartbeat_frame(seq));
+}
+
+// --- Data --------------------------------------------------------------------------
+
+void PeerLink::send(std::uint64_t channel, std::shared_ptr<const std::vector<std::byte>> payload,
+                    SendDone done) {
+  if (state_ == PeerState::dead) {
+    const PeerResult r{dead_code_, dead_reason_};
+    asio::post(io_, [done = std::move(done), r] {
+      if (done) done(r);
+    });
+    return;
+  }
+  if (state_ == PeerState::connecting) {
+    queued_.push_back({channel, std::move(payload), std::move(done)});
+    return;
+  }
+  start_send(channel, std::move(payload), std::move(done));
+}
+
+void PeerLink::start_send(std::uint64_t channel,
+                          std::shared_ptr<const std::vector<std::byte>> payload, SendDone done) {
+  if (payload->size() > kMaxMessageBytes) {
+    const PeerResult r{Code::invalid_argument,
+                       "a message to " + describe() + " of " + std::to_string(payload->size()) +
+                           " bytes exceeds the peer message limit of 1 GiB"};
+    asio::post(io_, [done = std::move(done), r] {
+      if (done) done(r);
+    });
+    return;
+  }
+  const std::uint64_t total = payload->size();
+  const std::uint64_t chunk = std::max<std::uint64_t>(1, options_.chunk_bytes);
+  const std::uint64_t chunks = total == 0 ? 1 : (total + chunk - 1) / chunk;
+  const std::uint64_t seq = send_seq_[channel]++;
+  const std::uint64_t id = next_send_id_++;
+  in_flight_[id] = InFlight{static_cast<std::size_t>(chunks), std::move(done)};
+  std::weak_ptr<PeerLink> weak = shared_from_this();
+  for (std::uint64_t k = 0; k < chunks; ++k) {
+    PeerStream::Chunk c;
+    c.payload = payload;
+    c.channel = channel;
+    c.seq = seq;
+    c.offset = k * chunk;
+    c.length = std::min(chunk, total - c.offset);
+    c.written = [weak, id] {
+      auto self = weak.lock();
+      if (!self) return;
+      const auto it = self->in_flight_.find(id);
+      if (it == self->in_flight_.end()) return;
+      if (--it->second.chunks_left > 0) return;
+      SendDone finished = std::move(it->second.done);
+      self->in_flight_.erase(it);
+      if (finished) finished(PeerResult{});
+    };
+    streams_[next_stream_++ % streams_.size()]->send_chunk(std::move(c));
+  }
+}
+
+void PeerLink::on_data(peerwire::DataChunk::Reader chunk) {
+  const std::uint64_t channel = chunk.getChannel();
+  const std::uint64_t seq = chunk.getSeq();
+  const std::uint64_t offset = chunk.getOffset();
+  const std::uint64_t total = chunk.getTotal();
+  const auto payload = chunk.getPayload();
+  const std::string where = " (channel " + std::to_string(channel) + ", message " +
+                            std::to_string(seq) + ")";
+  if (total > kMaxMessageBytes) {
+    throw Error(Code::protocol, "announced a message of " + std::to_string(total) +
+                                    " bytes, beyond the limit of 1 GiB" + where);
+  }
+  if (offset > total || payload.size() > total - offset) {
+    throw Error(Code::protocol, "sent a chunk outside its message" + where);
+  }
+  const std::uint64_t next = recv_next_[channel];
+  if (seq < next) {
+    throw Error(Code::protocol, "sent a message that was already delivered" + where);
+  }
+  const auto key = std::make_pair(channel, seq);
+  std::vector<std::byte> whole;
+  if (offset == 0 && payload.size() == total && partial_.find(key) == partial_.end()) {
+    whole.assign(reinterpret_cast<const std::byte*>(payload.begin()),
+                 reinterpret_cast<const std::byte*>(payload.end()));
+  } else {
+    auto it = partial_.find(key);
+    if (it == partial_.end()) {
+      if (held_bytes_ + total > kMaxHeldBytes) {
+        throw Error(Code::resource_exhausted,
+                    "has more than 2 GiB of incomplete messages outstanding" +
+                        where);
+      }
+      it = partial_.emplace(key, Partial{std::vector<std::byte>(total), 0}).first;
+      held_bytes_ += total;
+    } else if (it->second.bytes.size() != total) {
+      throw Error(Code::protocol, "changed the size of a message" + where);
+    }
+    if (payload.size() > 0) {
+      std::memcpy(it->second.bytes.data() + offset, payload.begin(), payload.size());
+    }
+    it->second.received += payload.size();
+    if (it->second.received > total) {
+      throw Error(Code::protocol, "sent overlapping chunks" + where);
+    }
+    if (it->second.received < total) return;
+    whole = std::move(it->second.bytes);
+    partial_.erase(it);
+    held_bytes_ -= total;
+  }
+  if (seq != next) {
+    if (early_.count(key) != 0) {
+      throw Error(Code::protocol, "sent a message twice" + where);
+    }
+    held_bytes_ += whole.size();
+    if (held_bytes_ > kMaxHeldBytes) {
+      throw Error(Code::resource_exhausted,
+                  "has more than 2 GiB of messages waiting for earlier ones" + where);
+    }
+    early_.emplace(key, std::move(whole));
+    return;
+  }
+  recv_next_[channel] = next + 1;
+  auto self = shared_from_this();
+  owner_.link_data(*this, channel, seq, std::move(whole));
+  deliver_in_order(channel);
+}
+
+void PeerLink::deliver_in_order(std::uint64_t channel) {
+  while (state_ != PeerState::dead) {
+    const std::uint64_t next = recv_next_[channel];
+    const auto it = early_.find({channel, next});
+    if (it == early_.end()) return;
+    std::vector<std::byte> bytes = std::move(it->second);
+    early_.erase(it);
+    held_bytes_ -= bytes.size();
+    recv_next_[channel] = next + 1;
+    owner_.link_data(*this, channel, next, std::move(bytes));
+  }
+}
+
+}  // namespace collectived::daemon

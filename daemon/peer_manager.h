@@ -1,0 +1,157 @@
+// The peer-daemon connection manager: listens for other nodes' daemons, opens
+// connections to them on first need, keeps and shares them, re-opens them
+// after a failure, and moves opaque messages between daemons.
+//
+//   PeerManager peers(io, options, log);
+//   peers.listen();                                   // if peer.port != 0
+//   peers.on_data(channel, [](const std::string& peer, std::uint64_t channel,
+//                             std::uint64_t seq, std::vector<std::byte> payload) {...});
+//   peers.send("10.0.0.7:47600", channel, std::move(bytes), [](const PeerResult& r) {...});
+//   peers.ping("10.0.0.7:47600", [](const PingReply& r) {...});
+//
+// A peer is named by its listen address "host:port". There is at most one
+// connection this daemon opened to each peer; a connection the peer opened
+// to this daemon is used as well (whichever is ready first serves sends).
+// Messages of one channel from one peer arrive whole and in the order they
+// were sent on one connection.
+//
+// Threads: send(), on_data() and ping() may be called from any thread (they
+// post to the event loop); everything else runs on the event-loop thread,
+// and so do all callbacks and handlers.
+#pragma once
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "config/profile.h"
+#include "daemon/peer_auth.h"
+#include "daemon/peer_link.h"
+#include "engine/log.h"
+#include "ipc/protocol.capnp.h"
+
+namespace collectived::daemon {
+
+/// One peer as status shows it.
+struct PeerStatus {
+  std::string address;     ///< "host:port"
+  std::string node;        ///< node name, once known
+  PeerState state = PeerState::dead;
+  bool outbound = false;   ///< this daemon opened the connection in use
+  std::uint32_t streams = 0;
+  std::uint64_t bytes_sent = 0;      ///< all connections to the peer since start
+  std::uint64_t bytes_received = 0;
+  std::uint64_t rtt_us = 0;          ///< last heartbeat round trip (0: none yet)
+  double skew_ms = 0;                ///< its wall clock minus ours
+  std::uint64_t errors = 0;          ///< connections that failed or were refused
+  std::uint32_t connections = 0;     ///< connections opened (either way) since start
+  std::chrono::system_clock::time_point connected_since{};  ///< epoch when not ready
+  std::string last_error;
+};
+
+class PeerManager final : private PeerLink::Owner {
+ public:
+  using DataHandler = std::function<void(const std::string& peer, std::uint64_t channel,
+                                         std::uint64_t seq, std::vector<std::byte> payload)>;
+
+  PeerManager(boost::asio::io_context& io, PeerOptions options, engine::Logger& log);
+  ~PeerManager() override;
+  PeerManager(const PeerManager&) = delete;
+  PeerManager& operator=(const PeerManager&) = delete;
+
+  /// Loads the secret and binds the listener when peer.port is not 0; throws
+  /// Error naming the address, the profile keys and the reason otherwise.
+  void listen();
+  bool listening() const { return listening_; }
+  /// "host:port" other daemons reach this one at ("" without a listener).
+  const std::string& address() const { return options_.local.listen_address; }
+
+  /// Sends `payload` to `peer` on `channel`, opening the connection if needed.
+  /// `done` runs on the event loop once the whole payload is written to the
+  /// peer's sockets (not yet read by it), or with an error naming the peer.
+  void send(const std::string& peer, std::uint64_t channel, std::vector<std::byte> payload,
+            SendDone done);
+  /// Routes messages of `channel` to `handler` (an empty one unregisters).
+  /// Messages that arrive before a handler is registered are kept (up to
+  /// 256 MiB in all) and handed to it when it is.
+  void on_data(std::uint64_t channel, DataHandler handler);
+  /// One heartbeat round trip to `peer`, opening the connection if needed;
+  /// answered within deadlines.connect_ms.
+  void ping(const std::string& peer, PingDone done);
+
+  /// Every peer known since start, by address.
+  std::vector<PeerStatus> status() const;
+
+  /// Live profile changes (SIGHUP).
+  void set_deadlines(std::chrono::milliseconds connect, std::chrono::milliseconds heartbeat);
+  /// Stops listening and closes every connection, telling the peers `why`.
+  void shutdown(const std::string& why);
+
+ private:
+  class Pending;
+  struct Record {
+    std::string node;
+    std::vector<std::shared_ptr<PeerLink>> links;  // connecting or ready
+    std::uint64_t bytes_sent = 0;                  // of closed links
+    std::uint64_t bytes_received = 0;
+    std::uint64_t errors = 0;
+    std::uint32_t connections = 0;
+    std::uint64_t rtt_us = 0;
+    double skew_ms = 0;
+    bool outbound = false;
+    std::string last_error;
+  };
+  struct Unclaimed {
+    std::string peer;
+    std::uint64_t seq;
+    std::vector<std::byte> payload;
+  };
+
+  // PeerLink::Owner
+  void link_ready(PeerLink& link) override;
+  void link_dead(PeerLink& link, PeerState was, Code code, const std::string& why,
+                 bool refused) override;
+  void link_data(PeerLink& link, std::uint64_t channel, std::uint64_t seq,
+                 std::vector<std::byte> payload) override;
+
+  PeerLink::Owner& owner() { return *this; }
+  void accept_next();
+  void on_accept(boost::asio::ip::tcp::socket socket);
+  void handshake_done(Pending& pending);
+  void handshake_failed(Pending& pending);
+  /// The secret, loaded on first need. Throws Error saying why it cannot be had.
+  const Secret& secret();
+  /// The link that serves `key`; opens one if none is ready or connecting.
+  std::shared_ptr<PeerLink> link_for(const std::string& key, bool& opened);
+
+  boost::asio::io_context& io_;
+  PeerOptions options_;
+  engine::Logger& log_;
+  boost::asio::ip::tcp::acceptor acceptor_;
+  std::optional<Secret> secret_;
+  bool listening_ = false;
+  bool stopping_ = false;
+  std::map<std::string, Record> records_;
+  std::map<Pending*, std::shared_ptr<Pending>> pending_;
+  std::map<std::uint64_t, DataHandler> handlers_;
+  std::map<std::uint64_t, std::deque<Unclaimed>> unclaimed_;
+  std::uint64_t unclaimed_bytes_ = 0;
+};
+
+/// The options the profile gives. Reads the test hook
+/// COLLECTIVED_TEST_PEER_VERSION (a protocol version to announce instead of
+/// the real one; tests of the version check only).
+PeerOptions peer_options(const config::Profile& profile, const std::string& daemon_version);
+
+/// Fills StatusReply.peers.
+void fill_peer_status(const PeerManager& peers, wire::StatusReply::Builder status);
+
+}  // namespace collectived::daemon

@@ -1,0 +1,530 @@
+// Unit tests of peer authentication: proofs, the handshake state machine (no
+// sockets: frames are passed by hand), the secret file and peer addresses.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <fstream>
+#include <optional>
+
+#include "daemon/peer_auth.h"
+#include "daemon/peer_link.h"
+#include "ipc/frame.h"
+
+using namespace collectived;
+using namespace collectived::daemon;
+
+namespace {
+
+Secret secret_of(const std::string& text) {
+  std::vector<std::byte> bytes(text.size());
+  std::memcpy(bytes.data(), text.data(), text.size());
+  return Secret(std::move(bytes));
+}
+
+PeerIdentity identity(const std::string& node, const std::string& listen,
+                      std::uint32_t version = peerwire::PEER_PROTOCOL_VERSION) {
+  return PeerIdentity{version, node, listen, "test"};
+}
+
+Transcript sample_transcript() {
+  Transcript t;
+  t.protocol_version = 1;
+  t.initiator_node = "a";
+  t.initiator_listen = "127.0.0.2:40000";
+  t.acceptor_node = "b";
+  t.acceptor_listen = "127.0.0.3:40001";
+  t.dialed = "127.0.0.3:40001";
+  t.connection_id = 42;
+  t.stream_index = 0;
+  t.streams = 2;
+  t.initiator_nonce = random_nonce();
+  t.acceptor_nonce = random_nonce();
+  return t;
+}
+
+std::unique_ptr<ipc::IncomingFrame> decode(const std::vector<std::byte>& frame) {
+  ipc::FrameDecoder d(ipc::Limits::for_max_frame(1 << 20));
+  std::size_t at = 0;
+  while (at < frame.size()) {
+    auto space = d.read_space();
+    const std::size_t n = std::min(space.size(), frame.size() - at);
+    std::memcpy(space.data(), frame.data() + at, n);
+    d.commit(n);
+    at += n;
+  }
+  auto f = d.next();
+  REQUIRE(f);
+  return f;
+}
+
+// Passes frames between two handshakes until neither has anything to say.
+// `tamper` may change a frame on its way (from the initiator when `to_acceptor`).
+void run(Handshake& initiator, Handshake& acceptor,
+         const std::function<void(bool to_acceptor, std::vector<std::byte>&)>& tamper = {}) {
+  std::vector<std::vector<std::byte>> to_acceptor = initiator.start();
+  std::vector<std::vector<std::byte>> to_initiator = acceptor.start();
+  for (int round = 0; round < 10 && (!to_acceptor.empty() || !to_initiator.empty()); ++round) {
+    std::vector<std::vector<std::byte>> next_a, next_i;
+    for (auto& f : to_acceptor) {
+      if (tamper) tamper(true, f);
+      auto frame = decode(f);
+      for (auto& out : acceptor.on_message(frame->root<peerwire::PeerMessage>()))
+        next_i.push_back(std::move(out));
+    }
+    for (auto& f : to_initiator) {
+      if (tamper) tamper(false, f);
+      auto frame = decode(f);
+      for (auto& out : initiator.on_message(frame->root<peerwire::PeerMessage>()))
+        next_a.push_back(std::move(out));
+    }
+    to_acceptor = std::move(next_a);
+    to_initiator = std::move(next_i);
+  }
+}
+
+struct Pair {
+  Handshake initiator;
+  Handshake acceptor;
+  Pair(const Secret& si, const Secret& sa, std::uint32_t vi = peerwire::PEER_PROTOCOL_VERSION,
+       std::uint32_t va = peerwire::PEER_PROTOCOL_VERSION,
+       const std::string& dialed = "127.0.0.3:40001")
+      : initiator(si, identity("a", "127.0.0.2:40000", vi), 7, 0, 2, dialed),
+        acceptor(sa, identity("b", "127.0.0.3:40001", va), "127.0.0.3:40001") {}
+};
+
+std::string temp_dir() {
+  std::string tmpl = std::filesystem::temp_directory_path().string() + "/peertest.XXXXXX";
+  REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
+  return tmpl;
+}
+
+}  // namespace
+
+TEST_CASE("proofs: the right secret passes both ways, a wrong one fails both ways") {
+  const Secret s = secret_of("correct horse battery staple 0123456789");
+  const Secret wrong = secret_of("correct horse battery staple 0123456788");
+  const Transcript t = sample_transcript();
+  for (Role role : {Role::initiator, Role::acceptor}) {
+    const Proof p = prove(s, role, t);
+    CHECK(verify(s, role, t, p));
+    CHECK_FALSE(verify(wrong, role, t, p));
+    CHECK_FALSE(verify(s, role, t, prove(wrong, role, t)));
+  }
+}
+
+TEST_CASE("proofs: bound to both nonces, the role and every transcript field") {
+  const Secret s = secret_of("a cluster secret of reasonable length");
+  const Transcript t = sample_transcript();
+  const Proof p = prove(s, Role::initiator, t);
+  SUBCASE("a proof is not valid for the other role (reflection)") {
+    CHECK_FALSE(verify(s, Role::acceptor, t, p));
+  }
+  SUBCASE("a changed initiator nonce fails") {
+    Transcript u = t;
+    u.initiator_nonce[5] ^= std::byte{1};
+    CHECK_FALSE(verify(s, Role::initiator, u, p));
+  }
+  SUBCASE("a replayed proof fails against a fresh acceptor nonce") {
+    Transcript u = t;
+    u.acceptor_nonce = random_nonce();
+    CHECK_FALSE(verify(s, Role::initiator, u, p));
+  }
+  SUBCASE("other fields") {
+    auto changed = [&](auto edit) {
+      Transcript u = t;
+      edit(u);
+      return !verify(s, Role::initiator, u, p);
+    };
+    CHECK(changed([](Transcript& u) { u.dialed = "127.0.0.9:40001"; }));
+    CHECK(changed([](Transcript& u) { u.initiator_node = "evil"; }));
+    CHECK(changed([](Transcript& u) { u.acceptor_listen = "127.0.0.3:40002"; }));
+    CHECK(changed([](Transcript& u) { u.connection_id = 43; }));
+    CHECK(changed([](Transcript& u) { u.stream_index = 1; }));
+    CHECK(changed([](Transcript& u) { u.protocol_version = 2; }));
+    // Length prefixes: moving a byte from one field to the next changes the proof.
+    CHECK(changed([](Transcript& u) {
+      u.initiator_node = "a1";
+      u.initiator_listen = "27.0.0.2:40000";
+    }));
+  }
+  SUBCASE("wrong proof lengths and an empty secret never verify") {
+    CHECK_FALSE(verify(s, Role::initiator, t, std::span<const std::byte>(p.data(), 31)));
+    CHECK_FALSE(verify(Secret{}, Role::initiator, t, p));
+  }
+  SUBCASE("nonces differ") { CHECK(random_nonce() != random_nonce()); }
+}
+
+TEST_CASE("handshake: the same secret on both sides completes, mutually") {
+  const Secret s = secret_of("the same secret on both nodes!!");
+  Pair p(s, s);
+  run(p.initiator, p.acceptor);
+  REQUIRE(p.initiator.state() == Handshake::State::done);
+  REQUIRE(p.acceptor.state() == Handshake::State::done);
+  CHECK(p.initiator.remote().node == "b");
+  CHECK(p.initiator.remote().listen_address == "127.0.0.3:40001");
+  CHECK(p.acceptor.remote().node == "a");
+  CHECK(p.acceptor.remote().listen_address == "127.0.0.2:40000");
+  CHECK(p.acceptor.connection_id() == 7);
+  CHECK(p.acceptor.streams() == 2);
+}
+
+TEST_CASE("handshake: a wrong secret is refused by the acceptor, and the initiator hears why") {
+  const Secret s = secret_of("the right secret for this cluster");
+  const Secret wrong = secret_of("a wrong secret from another place");
+  SUBCASE("the initiator has the wrong secret") {
+    Pair p(wrong, s);
+    run(p.initiator, p.acceptor);
+    CHECK(p.acceptor.state() == Handshake::State::failed);
+    CHECK(p.acceptor.error_code() == Code::permission_denied);
+    CHECK(p.acceptor.refused());
+    CHECK_FALSE(p.acceptor.refused_by_peer());
+    CHECK(p.acceptor.error().find("node b refused node a (127.0.0.2:40000): authentication "
+                                  "failed") == 0);
+    CHECK(p.initiator.state() == Handshake::State::failed);
+    CHECK(p.initiator.refused_by_peer());
+    CHECK(p.initiator.error_code() == Code::permission_denied);
+    CHECK(p.initiator.error() == p.acceptor.error());
+  }
+  SUBCASE("the acceptor has the wrong secret") {
+    Pair p(s, wrong);
+    run(p.initiator, p.acceptor);
+    CHECK(p.acceptor.state() == Handshake::State::failed);
+    CHECK(p.initiator.state() == Handshake::State::failed);
+    CHECK(p.initiator.error().find("authentication failed") != std::string::npos);
+  }
+  SUBCASE("an acceptor whose proof is forged is refused by the initiator") {
+    Pair p(s, s);
+    run(p.initiator, p.acceptor, [](bool to_acceptor, std::vector<std::byte>& f) {
+      if (to_acceptor) return;
+      auto frame = decode(f);
+      if (!frame->root<peerwire::PeerMessage>().isReady()) return;
+      capnp::MallocMessageBuilder b;
+      std::array<kj::byte, kProofBytes> junk{};
+      b.initRoot<peerwire::PeerMessage>().initReady().setProof(
+          capnp::Data::Reader(junk.data(), junk.size()));
+      f = ipc::encode_frame(b);
+    });
+    CHECK(p.acceptor.state() == Handshake::State::done);
+    CHECK(p.initiator.state() == Handshake::State::failed);
+    CHECK(p.initiator.refused());
+    CHECK(p.initiator.error_code() == Code::permission_denied);
+    CHECK(p.initiator.error().find("node a refused node b (127.0.0.3:40001): authentication "
+                                   "failed: node b (127.0.0.3:40001) did not prove") == 0);
+  }
+}
+
+TEST_CASE("handshake: a recorded response does not open a second handshake (replay)") {
+  const Secret s = secret_of("the right secret for this cluster");
+  std::vector<std::byte> recorded;
+  {
+    Pair p(s, s);
+    run(p.initiator, p.acceptor, [&](bool to_acceptor, std::vector<std::byte>& f) {
+      if (to_acceptor && decode(f)->root<peerwire::PeerMessage>().isResponse()) recorded = f;
+    });
+    REQUIRE(p.acceptor.state() == Handshake::State::done);
+  }
+  REQUIRE_FALSE(recorded.empty());
+  // An attacker without the secret replays the same hello and the recorded
+  // response; the acceptor's fresh nonce makes the proof worthless.
+  Handshake attacker_view(s, identity("a", "127.0.0.2:40000"), 7, 0, 2, "127.0.0.3:40001");
+  Handshake acceptor(s, identity("b", "127.0.0.3:40001"), "127.0.0.3:40001");
+  auto hello = attacker_view.start();
+  auto challenge = acceptor.on_message(decode(hello[0])->root<peerwire::PeerMessage>());
+  REQUIRE(challenge.size() == 1);
+  auto answer = acceptor.on_message(decode(recorded)->root<peerwire::PeerMessage>());
+  CHECK(acceptor.state() == Handshake::State::failed);
+  CHECK(acceptor.error_code() == Code::permission_denied);
+  REQUIRE(answer.size() == 1);
+  CHECK(decode(answer[0])->root<peerwire::PeerMessage>().isError());
+}
+
+TEST_CASE("handshake: a changed nonce in flight fails") {
+  const Secret s = secret_of("the right secret for this cluster");
+  Pair p(s, s);
+  run(p.initiator, p.acceptor, [](bool to_acceptor, std::vector<std::byte>& f) {
+    if (to_acceptor) return;
+    auto frame = decode(f);
+    auto m = frame->root<peerwire::PeerMessage>();
+    if (!m.isChallenge()) return;
+    capnp::MallocMessageBuilder b;
+    b.setRoot(m);
+    auto nonce = b.getRoot<peerwire::PeerMessage>().getChallenge().getNonce();
+    nonce[0] = static_cast<kj::byte>(nonce[0] ^ 0x80);
+    f = ipc::encode_frame(b);
+  });
+  CHECK(p.acceptor.state() == Handshake::State::failed);
+  CHECK(p.acceptor.error_code() == Code::permission_denied);
+  CHECK(p.initiator.state() == Handshake::State::failed);
+}
+
+TEST_CASE("handshake: a protocol version mismatch names both versions on both sides") {
+  const Secret s = secret_of("the right secret for this cluster");
+  Pair p(s, s, 1, 99);
+  run(p.initiator, p.acceptor);
+  CHECK(p.acceptor.state() == Handshake::State::failed);
+  CHECK(p.acceptor.error_code() == Code::protocol);
+  const std::string& why = p.acceptor.error();
+  CHECK(why.find("peer protocol version mismatch") != std::string::npos);
+  CHECK(why.find("node a (collectived test) speaks peer protocol 1") != std::string::npos);
+  CHECK(why.find("node b (collectived test) speaks peer protocol 99") != std::string::npos);
+  CHECK(p.initiator.refused_by_peer());
+  CHECK(p.initiator.error() == why);
+}
+
+TEST_CASE("handshake: a connection that reached another address than it dialed is refused") {
+  const Secret s = secret_of("the right secret for this cluster");
+  Pair p(s, s, 1, 1, "127.0.0.9:40001");
+  run(p.initiator, p.acceptor);
+  CHECK(p.acceptor.state() == Handshake::State::failed);
+  CHECK(p.acceptor.error_code() == Code::permission_denied);
+  CHECK(p.acceptor.error().find("it dialed 127.0.0.9:40001 but reached this daemon at "
+                                "127.0.0.3:40001") != std::string::npos);
+  CHECK(p.initiator.state() == Handshake::State::failed);
+}
+
+TEST_CASE("handshake: messages out of order are a protocol error") {
+  const Secret s = secret_of("the right secret for this cluster");
+  Handshake acceptor(s, identity("b", "127.0.0.3:40001"), "127.0.0.3:40001");
+  capnp::MallocMessageBuilder b;
+  b.initRoot<peerwire::PeerMessage>().initHeartbeat().setSeq(1);
+  auto out = acceptor.on_message(decode(ipc::encode_frame(b))->root<peerwire::PeerMessage>());
+  CHECK(acceptor.state() == Handshake::State::failed);
+  CHECK(acceptor.error_code() == Code::protocol);
+  CHECK(acceptor.error().find("it sent heartbeat during the handshake, where hello was expected") !=
+        std::string::npos);
+  CHECK(out.size() == 1);
+}
+
+TEST_CASE("the secret file") {
+  const std::string dir = temp_dir();
+  auto write = [&](const std::string& name, const std::string& text, mode_t mode) {
+    const std::string path = dir + "/" + name;
+    std::ofstream(path, std::ios::binary) << text;
+    ::chmod(path.c_str(), mode);
+    return path;
+  };
+  SUBCASE("a good one; trailing newlines are ignored") {
+    const auto f = load_secret(write("good", "0123456789abcdef0123456789abcdef\n", 0600));
+    CHECK(f.warnings.empty());
+    CHECK(f.secret.bytes().size() == 32);
+    const auto g = load_secret(write("good2", "0123456789abcdef0123456789abcdef", 0600));
+    const Transcript t = sample_transcript();
+    CHECK(verify(g.secret, Role::initiator, t, prove(f.secret, Role::initiator, t)));
+  }
+  SUBCASE("readable by others: a warning") {
+    const auto f = load_secret(write("open", "0123456789abcdef0123456789abcdef", 0644));
+    REQUIRE(f.warnings.size() == 1);
+    CHECK(f.warnings[0].find("mode 0644") != std::string::npos);
+    CHECK(f.warnings[0].find("chmod 600") != std::string::npos);
+  }
+  SUBCASE("short: a warning") {
+    const auto f = load_secret(write("short", "abc", 0600));
+    REQUIRE(f.warnings.size() == 1);
+    CHECK(f.warnings[0].find("only 3 bytes") != std::string::npos);
+  }
+  SUBCASE("missing, empty, unnamed: errors naming the file and the key") {
+    try {
+      load_secret(dir + "/missing");
+      FAIL("no error");
+    } catch (const Error& e) {
+      CHECK(e.code() == Code::not_found);
+      CHECK(std::string(e.what()).find(dir + "/missing (peer.secret_file)") != std::string::npos);
+    }
+    CHECK_THROWS_AS(load_secret(write("empty", "\n", 0600)), Error);
+    CHECK_THROWS_AS(load_secret(""), Error);
+    CHECK_THROWS_AS(load_secret(dir), Error);  // a directory
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("peer addresses") {
+  CHECK(parse_peer_address("127.0.0.2:47600").key == "127.0.0.2:47600");
+  CHECK(parse_peer_address("[::1]:47600").key == "[::1]:47600");
+  CHECK(parse_peer_address("[0:0::1]:5").key == "[::1]:5");
+  CHECK(parse_peer_address("Node7:47600").key == "node7:47600");
+  CHECK(parse_peer_address("node7:47600").host == "node7");
+  for (const char* bad : {"", "127.0.0.1", "127.0.0.1:", ":80", "::1:80", "[::1]80",
+                          "127.0.0.1:0", "127.0.0.1:65536", "127.0.0.1:8x"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_AS(parse_peer_address(bad), Error);
+  }
+}
+
+// --- Two managers in one process, on loopback -----------------------------------
+
+#include <boost/asio/io_context.hpp>
+#include <random>
+
+#include "daemon/peer_manager.h"
+#include "engine/log.h"
+
+namespace {
+
+struct Node {
+  std::string name;
+  std::string ip;
+  PeerOptions options;
+  std::unique_ptr<PeerManager> manager;
+  std::string address() const { return options.local.listen_address; }
+};
+
+// Binds `ip` on a port from 20000..59999, retrying while ports are busy.
+void start(Node& n, boost::asio::io_context& io, engine::Logger& log,
+           const std::string& secret_file) {
+  static std::mt19937 rng(std::random_device{}());
+  for (int attempt = 0;; ++attempt) {
+    const auto port = static_cast<std::uint16_t>(20000 + rng() % 40000);
+    n.options = PeerOptions{};
+    n.options.local = identity(n.name, n.ip + ":" + std::to_string(port));
+    n.options.bind_address = n.ip;
+    n.options.port = port;
+    n.options.secret_file = secret_file;
+    n.options.streams_per_peer = 3;
+    n.options.chunk_bytes = 64 * 1024;
+    n.options.connect_deadline = std::chrono::milliseconds(3000);
+    n.options.heartbeat_interval = std::chrono::milliseconds(100);
+    n.manager = std::make_unique<PeerManager>(io, n.options, log);
+    try {
+      n.manager->listen();
+      return;
+    } catch (const Error& e) {
+      if (attempt > 20 || std::string(e.what()).find("in use") == std::string::npos) throw;
+    }
+  }
+}
+
+bool run_until(boost::asio::io_context& io, const std::function<bool()>& done,
+               std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!done() && std::chrono::steady_clock::now() < deadline) {
+    io.run_one_for(std::chrono::milliseconds(10));
+  }
+  return done();
+}
+
+std::vector<std::byte> pattern(std::size_t n, unsigned k) {
+  std::vector<std::byte> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((k * 31 + i * 7) & 0xff);
+  return v;
+}
+
+struct Received {
+  std::string peer;
+  std::uint64_t channel;
+  std::uint64_t seq;
+  std::vector<std::byte> payload;
+};
+
+}  // namespace
+
+TEST_CASE("two managers: chunked data across streams, in order, whole; pings; status") {
+  const std::string dir = temp_dir();
+  const std::string secret_file = dir + "/secret";
+  std::ofstream(secret_file) << "an in-process test secret, 32 bytes+";
+  ::chmod(secret_file.c_str(), 0600);
+  const std::string log_file = dir + "/log";
+  const int log_fd = ::open(log_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  REQUIRE(log_fd >= 0);
+  engine::Logger log(config::LogLevel::debug, log_fd);
+  boost::asio::io_context io;
+  Node a{"a", "127.0.0.2", {}, {}};
+  Node b{"b", "127.0.0.3", {}, {}};
+  start(a, io, log, secret_file);
+  start(b, io, log, secret_file);
+
+  std::vector<Received> got;
+  b.manager->on_data(5, [&](const std::string& peer, std::uint64_t channel, std::uint64_t seq,
+                            std::vector<std::byte> payload) {
+    got.push_back({peer, channel, seq, std::move(payload)});
+  });
+  const std::vector<std::size_t> sizes = {0,         1,       100, 64 * 1024 - 1, 64 * 1024,
+                                          64 * 1024 + 1, (1 << 20) + 17, 3 << 20, 10, 5};
+  int sent_ok = 0;
+  for (unsigned k = 0; k < sizes.size(); ++k) {
+    a.manager->send(b.address(), 5, pattern(sizes[k], k), [&](const PeerResult& r) {
+      CHECK_MESSAGE(r.ok(), r.message);
+      ++sent_ok;
+    });
+  }
+  // Sent before b has a handler for channel 9: held, then handed over.
+  a.manager->send(b.address(), 9, pattern(200000, 99), {});
+  REQUIRE(run_until(io, [&] { return got.size() == sizes.size(); }, std::chrono::seconds(10)));
+  CHECK(sent_ok == static_cast<int>(sizes.size()));
+  for (unsigned k = 0; k < sizes.size(); ++k) {
+    CAPTURE(k);
+    CHECK(got[k].peer == a.address());
+    CHECK(got[k].channel == 5);
+    CHECK(got[k].seq == k);
+    CHECK(got[k].payload == pattern(sizes[k], k));
+  }
+  std::vector<Received> late;
+  b.manager->on_data(9, [&](const std::string& peer, std::uint64_t channel, std::uint64_t seq,
+                            std::vector<std::byte> payload) {
+    late.push_back({peer, channel, seq, std::move(payload)});
+  });
+  REQUIRE(run_until(io, [&] { return late.size() == 1; }, std::chrono::seconds(5)));
+  CHECK(late[0].payload == pattern(200000, 99));
+
+  // b answers on the connection a opened: no second connection.
+  std::vector<Received> back;
+  a.manager->on_data(5, [&](const std::string& peer, std::uint64_t channel, std::uint64_t seq,
+                            std::vector<std::byte> payload) {
+    back.push_back({peer, channel, seq, std::move(payload)});
+  });
+  b.manager->send(a.address(), 5, pattern(300000, 3), {});
+  REQUIRE(run_until(io, [&] { return back.size() == 1; }, std::chrono::seconds(5)));
+  CHECK(back[0].peer == b.address());
+  CHECK(back[0].payload == pattern(300000, 3));
+
+  std::optional<PingReply> pong;
+  b.manager->ping(a.address(), [&](const PingReply& r) { pong = r; });
+  REQUIRE(run_until(io, [&] { return pong.has_value(); }, std::chrono::seconds(5)));
+  CHECK_MESSAGE(pong->result.ok(), pong->result.message);
+  CHECK(pong->node == "a");
+  CHECK_FALSE(pong->new_connection);
+  CHECK(pong->rtt_us > 0);
+
+  const auto sa = a.manager->status();
+  const auto sb = b.manager->status();
+  REQUIRE(sa.size() == 1);
+  REQUIRE(sb.size() == 1);
+  CHECK(sa[0].address == b.address());
+  CHECK(sa[0].node == "b");
+  CHECK(sa[0].state == PeerState::ready);
+  CHECK(sa[0].outbound);
+  CHECK(sa[0].streams == 3);
+  CHECK(sa[0].connections == 1);
+  CHECK(sa[0].bytes_sent > (4u << 20));
+  CHECK(sb[0].address == a.address());
+  CHECK(sb[0].node == "a");
+  CHECK_FALSE(sb[0].outbound);
+  CHECK(sb[0].connections == 1);
+  CHECK(sb[0].bytes_received > (4u << 20));
+
+  // b goes away: a sees the connection die, and a send fails naming b.
+  b.manager.reset();
+  REQUIRE(run_until(io, [&] { return a.manager->status()[0].state == PeerState::dead; },
+                    std::chrono::seconds(5)));
+  std::optional<PeerResult> failed;
+  a.manager->send(b.address(), 5, pattern(10, 1), [&](const PeerResult& r) { failed = r; });
+  REQUIRE(run_until(io, [&] { return failed.has_value(); }, std::chrono::seconds(5)));
+  CHECK(failed->code == Code::unavailable);
+  CHECK(failed->message.find("node b (" + b.address() + ")") != std::string::npos);
+  const auto logged = [&] {
+    std::ifstream f(log_file);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  }();
+  CHECK(logged.find("event=peer_connected") != std::string::npos);
+  CHECK(logged.find("event=peer_dead") != std::string::npos);
+  a.manager.reset();
+  if (std::getenv("PEER_TEST_SHOW_LOG")) MESSAGE(logged);
+  ::close(log_fd);
+  std::filesystem::remove_all(dir);
+}
