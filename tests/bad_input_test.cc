@@ -6,7 +6,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <sys/eventfd.h>
+
 #include <random>
+
+#include "ipc/ring.h"
 
 #include "tests/support/harness.h"
 
@@ -364,4 +368,65 @@ TEST_CASE("a killed client's registrations are released") {
   CHECK(eventually([&] { return registrations(probe) == 0; }, 5s));
   ::close(pipefd[0]);
   ::close(pipefd[1]);
+}
+
+TEST_CASE("a client that corrupts its shared-memory ring is dropped; others are served") {
+  Daemon d;
+  RawClient c(d.socket());
+  REQUIRE(c.hello());
+  UniqueFd mem(::memfd_create("ring", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  REQUIRE(::ftruncate(mem.get(), static_cast<off_t>(ipc::ring_bytes())) == 0);
+  REQUIRE(::fcntl(mem.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0);
+  void* p = ::mmap(nullptr, ipc::ring_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, mem.get(), 0);
+  REQUIRE(p != MAP_FAILED);
+  ipc::RingView ring(static_cast<std::byte*>(p));
+  ring.init();
+  UniqueFd bell(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  {
+    // A pipe is not an eventfd: refused.
+    int pp[2];
+    REQUIRE(::pipe(pp) == 0);
+    capnp::MallocMessageBuilder b;
+    auto m = b.initRoot<wire::Message>();
+    m.setId(2);
+    m.initAttachRing().setBytes(ipc::ring_bytes());
+    c.send(b, {mem.get(), pp[0]});
+    auto r = c.receive(5s);
+    REQUIRE(r);
+    CHECK(error_code(*r) == Code::invalid_argument);
+    CHECK(error_message(*r).find("not an eventfd") != std::string::npos);
+    ::close(pp[0]);
+    ::close(pp[1]);
+  }
+  capnp::MallocMessageBuilder b;
+  auto m = b.initRoot<wire::Message>();
+  m.setId(3);
+  m.initAttachRing().setBytes(ipc::ring_bytes());
+  c.send(b, {mem.get(), bell.get()});
+  auto r = c.receive(5s);
+  REQUIRE(r);
+  REQUIRE(r->message().isOk());
+  // A slot holding garbage: answered with an error in the completion ring.
+  std::vector<std::byte> junk(64, std::byte{0x42});
+  auto& h = ring.header();
+  REQUIRE(ipc::RingView::push(h.sq_head, h.sq_tail, ring.sq_slot(h.sq_tail.load()), junk));
+  const std::uint64_t one = 1;
+  (void)!::write(bell.get(), &one, sizeof one);
+  // Then indices that claim more entries than the ring holds.
+  REQUIRE(eventually([&] { return h.sq_head.load() == h.sq_tail.load(); }, 5s));
+  h.sq_tail.store(h.sq_head.load() + 5000);
+  (void)!::write(bell.get(), &one, sizeof one);
+  // The garbage slot could not even be decoded, so its error has no request
+  // id and comes by the socket; then the corrupt indices close the session.
+  auto e1 = c.receive(5s);
+  REQUIRE(e1);
+  CHECK(error_code(*e1) == Code::protocol);
+  CHECK(error_message(*e1).find("malformed frame in a ring slot") != std::string::npos);
+  auto e2 = c.receive(5s);
+  REQUIRE(e2);
+  CHECK(error_code(*e2) == Code::protocol);
+  CHECK(error_message(*e2).find("indices are corrupt") != std::string::npos);
+  CHECK(c.closed_by_peer(5s));
+  ::munmap(p, ipc::ring_bytes());
+  check_daemon_serves_others(d);
 }
