@@ -110,7 +110,8 @@ PeerStream::PeerStream(tcp::socket socket, std::uint64_t max_frame_bytes)
     : socket_(std::move(socket)),
       decoder_(ipc::Limits::for_max_frame(max_frame_bytes)),
       close_timer_(socket_.get_executor()),
-      last_received_(PeerClock::now()) {
+      last_received_(PeerClock::now()),
+      last_answer_(last_received_) {
   boost::system::error_code ec;
   const auto remote = socket_.remote_endpoint(ec);
   if (!ec) remote_text_ = endpoint_text(remote);
@@ -539,7 +540,7 @@ void PeerLink::become_ready() {
   connect_timer_.cancel();
   handshakes_.clear();
   ready_wall_ = std::chrono::system_clock::now();
-  for (auto& s : streams_) s->touch();
+  for (auto& s : streams_) s->answered();
   owner_.link_ready(*this);
   if (state_ != PeerState::ready) return;
   // A first heartbeat at once, so that status shows the RTT from the start.
@@ -568,7 +569,7 @@ void PeerLink::on_stream_message(PeerStream& stream, peerwire::PeerMessage::Read
       on_heartbeat(stream, m.getHeartbeat());
       return;
     case W::HEARTBEAT_ACK:
-      on_heartbeat_ack(m.getHeartbeatAck());
+      on_heartbeat_ack(stream, m.getHeartbeatAck());
       return;
     case W::DATA:
       on_data(m.getData());
@@ -665,16 +666,18 @@ void PeerLink::arm_heartbeat() {
 }
 
 void PeerLink::heartbeat_tick() {
-  // Anything received counts as a sign of life; a stream silent for three
-  // intervals means the peer (or the path to it) is gone.
+  // A stream whose heartbeats went unanswered for three intervals means the
+  // peer is gone, stuck, or no longer reading (its own heartbeats arriving do
+  // not count: a daemon that stopped reading would otherwise block our writes
+  // forever).
   const auto interval = options_.heartbeat_interval;
   const auto now = PeerClock::now();
   for (auto& s : streams_) {
     const auto silent =
-        std::chrono::duration_cast<std::chrono::milliseconds>(now - s->last_received());
+        std::chrono::duration_cast<std::chrono::milliseconds>(now - s->last_answer());
     if (silent > 3 * interval) {
       fail(Code::unavailable,
-           describe() + " missed 3 heartbeats: nothing arrived on stream " +
+           describe() + " missed 3 heartbeats: no answer on stream " +
                std::to_string(s->index) + " for " + ms_text(silent) +
                " (deadlines.heartbeat_ms = " + std::to_string(interval.count()) + ")",
            false, true);
@@ -694,7 +697,8 @@ void PeerLink::on_heartbeat(PeerStream& stream, peerwire::Heartbeat::Reader hb) 
   stream.send_frame(ipc::encode_frame(b));
 }
 
-void PeerLink::on_heartbeat_ack(peerwire::HeartbeatAck::Reader ack) {
+void PeerLink::on_heartbeat_ack(PeerStream& stream, peerwire::HeartbeatAck::Reader ack) {
+  stream.answered();
   const std::uint64_t now = steady_ns();
   const std::uint64_t sent = ack.getEchoSentNs();
   const std::uint64_t rtt_ns = now > sent ? now - sent : 0;

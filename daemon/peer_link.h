@@ -125,7 +125,9 @@ class PeerStream : public std::enable_shared_from_this<PeerStream> {
   std::uint64_t bytes_sent() const { return bytes_sent_; }
   std::uint64_t bytes_received() const { return bytes_received_; }
   PeerClock::time_point last_received() const { return last_received_; }
-  void touch() { last_received_ = PeerClock::now(); }
+  /// When the other side last answered a heartbeat sent on this stream.
+  PeerClock::time_point last_answer() const { return last_answer_; }
+  void answered() { last_answer_ = PeerClock::now(); }
   std::size_t queued_chunks() const { return data_.size(); }
 
  private:
@@ -154,6 +156,7 @@ class PeerStream : public std::enable_shared_from_this<PeerStream> {
   std::uint64_t bytes_sent_ = 0;
   std::uint64_t bytes_received_ = 0;
   PeerClock::time_point last_received_;
+  PeerClock::time_point last_answer_;
 };
 
 /// A connection to one peer daemon: `streams` authenticated TCP streams.
@@ -230,7 +233,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink>, public StreamSin
   void start_send(std::uint64_t channel, std::shared_ptr<const std::vector<std::byte>> payload,
                   SendDone done);
   void on_heartbeat(PeerStream& stream, peerwire::Heartbeat::Reader hb);
-  void on_heartbeat_ack(peerwire::HeartbeatAck::Reader ack);
+  void on_heartbeat_ack(PeerStream& stream, peerwire::HeartbeatAck::Reader ack);
   void on_data(peerwire::DataChunk::Reader chunk);
   void deliver_in_order(std::uint64_t channel);
 

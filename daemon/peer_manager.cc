@@ -263,15 +263,19 @@ void PeerManager::handshake_done(Pending& p) {
     return;
   }
   const Handshake& hs = p.handshake;
-  std::string key;
-  try {
-    key = hs.remote().listen_address.empty() ? p.stream->remote_text()
-                                             : parse_peer_address(hs.remote().listen_address).key;
-  } catch (const Error&) {
-    key = p.stream->remote_text();
+  // A peer is known by its listen address; one without a listener (peer.port
+  // 0) by its address and the connection's id, the same on all its streams.
+  const std::string unnamed = host_of(p.stream->remote_text()) + "/" + hex(hs.connection_id());
+  std::string key = unnamed;
+  if (!hs.remote().listen_address.empty()) {
+    try {
+      key = parse_peer_address(hs.remote().listen_address).key;
+    } catch (const Error&) {
+    }
   }
   Record& rec = records_[key];
   rec.node = hs.remote().node;
+  rec.ephemeral = key == unnamed;
   std::shared_ptr<PeerLink> link;
   for (const auto& l : rec.links) {
     if (!l->outbound() && l->state() == PeerState::connecting &&
@@ -334,6 +338,9 @@ void PeerManager::link_dead(PeerLink& link, PeerState was, Code code, const std:
     if (!stopping_) {
       ++rec.errors;
       rec.last_error = why;
+      // A daemon without a listener is known by its connection's source
+      // port; once that connection is gone, so is the record.
+      if (rec.ephemeral && rec.links.empty()) records_.erase(it);
     }
   }
   if (stopping_) return;

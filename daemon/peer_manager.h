@@ -17,7 +17,9 @@
 //
 // Threads: send(), on_data() and ping() may be called from any thread (they
 // post to the event loop); everything else runs on the event-loop thread,
-// and so do all callbacks and handlers.
+// and so do all callbacks and handlers. Destroy it only once its io_context
+// no longer runs (the Server's member order does that): handlers still queued
+// there refer to it.
 #pragma once
 
 #include <boost/asio/io_context.hpp>
@@ -107,6 +109,7 @@ class PeerManager final : private PeerLink::Owner {
     std::uint64_t rtt_us = 0;
     double skew_ms = 0;
     bool outbound = false;
+    bool ephemeral = false;  // keyed by a connection's source, not a listen address
     std::string last_error;
   };
   struct Unclaimed {

@@ -360,7 +360,10 @@ TEST_CASE("peer addresses") {
 // --- Two managers in one process, on loopback -----------------------------------
 
 #include <boost/asio/io_context.hpp>
+#include <atomic>
+#include <boost/asio/executor_work_guard.hpp>
 #include <random>
+#include <thread>
 
 #include "daemon/peer_manager.h"
 #include "engine/log.h"
@@ -526,5 +529,61 @@ TEST_CASE("two managers: chunked data across streams, in order, whole; pings; st
   a.manager.reset();
   if (std::getenv("PEER_TEST_SHOW_LOG")) MESSAGE(logged);
   ::close(log_fd);
+  std::filesystem::remove_all(dir);
+}
+
+// Not run by default (`peer_test --no-skip -tc="bench*"`): the data path's
+// throughput between two managers on two event-loop threads, over loopback.
+TEST_CASE("bench: send throughput between two managers" * doctest::skip()) {
+  const std::string dir = temp_dir();
+  const std::string secret_file = dir + "/secret";
+  std::ofstream(secret_file) << "an in-process bench secret, 32 bytes";
+  ::chmod(secret_file.c_str(), 0600);
+  engine::Logger log(config::LogLevel::warn, 2);
+  boost::asio::io_context io_a, io_b;
+  Node a{"a", "127.0.0.2", {}, {}};
+  Node b{"b", "127.0.0.3", {}, {}};
+  start(a, io_a, log, secret_file);
+  start(b, io_b, log, secret_file);
+  for (std::uint32_t streams : {1u, 2u, 4u}) {
+    for (std::uint64_t chunk : {std::uint64_t{256} << 10, std::uint64_t{1} << 20}) {
+      a.options.streams_per_peer = streams;
+      a.options.chunk_bytes = chunk;
+      a.manager = std::make_unique<PeerManager>(io_a, a.options, log);  // no listener needed
+      constexpr std::size_t kMessage = 16 << 20;
+      constexpr int kMessages = 64;
+      std::atomic<int> received{0};
+      b.manager->on_data(1, [&](const std::string&, std::uint64_t, std::uint64_t,
+                                std::vector<std::byte> p) {
+        if (p.size() == kMessage) ++received;
+      });
+      auto guard_a = boost::asio::make_work_guard(io_a);
+      auto guard_b = boost::asio::make_work_guard(io_b);
+      std::thread ta([&] { io_a.run(); });
+      std::thread tb([&] { io_b.run(); });
+      // Warm up: open the connection.
+      std::atomic<bool> up{false};
+      a.manager->ping(b.address(), [&](const PingReply&) { up = true; });
+      while (!up) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < kMessages; ++i) {
+        a.manager->send(b.address(), 1, std::vector<std::byte>(kMessage), {});
+      }
+      while (received < kMessages) std::this_thread::sleep_for(std::chrono::microseconds(200));
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      MESSAGE("streams " << streams << ", chunk " << (chunk >> 10) << " KiB: "
+                         << (double(kMessage) * kMessages / s / 1e9) << " GB/s");
+      guard_a.reset();
+      guard_b.reset();
+      io_a.stop();
+      io_b.stop();
+      ta.join();
+      tb.join();
+      a.manager.reset();
+      io_a.restart();
+      io_b.restart();
+    }
+  }
+  b.manager.reset();
   std::filesystem::remove_all(dir);
 }

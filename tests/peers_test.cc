@@ -523,6 +523,14 @@ TEST_CASE("peer.port 0 (the default) listens for no peers but can still reach th
   const Pong p = ping(ca, b.address());
   REQUIRE_MESSAGE(p.code == Code::ok, p.error);
   CHECK(p.node == "b");
+  // b knows a by its address and connection, with all of its streams.
+  auto cb = client_of(b);
+  const auto rows = peers_of(*cb);
+  REQUIRE(rows.size() == 1);
+  CHECK(rows[0].node == "a");
+  CHECK(rows[0].address.rfind("127.0.0.1/", 0) == 0);
+  CHECK(rows[0].state == wire::PeerLinkState::READY);
+  CHECK(rows[0].streams == 4);  // the initiator's tcp.streams_per_peer (the default)
   // No secret configured at all: a ping says what is missing.
   Daemon lone(Daemon::Options{{"node.name=lone", "peer.secret_file="}});
   RawClient cl(lone.socket());
