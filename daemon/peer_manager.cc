@@ -352,6 +352,10 @@ void PeerManager::link_dead(PeerLink& link, PeerState was, Code code, const std:
                     {"direction", direction(link.outbound())},
                     {"code", to_string(code)},
                     {"reason", why}});
+  if (was == PeerState::ready && down_handler_) {
+    DownHandler handler = down_handler_;
+    handler(link.key(), link.node(), code, why);
+  }
 }
 
 void PeerManager::link_data(PeerLink& link, std::uint64_t channel, std::uint64_t seq,

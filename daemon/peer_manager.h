@@ -8,6 +8,8 @@
 //                             std::uint64_t seq, std::vector<std::byte> payload) {...});
 //   peers.send("10.0.0.7:47600", channel, std::move(bytes), [](const PeerResult& r) {...});
 //   peers.ping("10.0.0.7:47600", [](const PingReply& r) {...});
+//   peers.on_peer_down([](const std::string& peer, const std::string& node, Code,
+//                         const std::string& why) {...});   // fail what waited on it
 //
 // A peer is named by its listen address "host:port". There is at most one
 // connection this daemon opened to each peer; a connection the peer opened
@@ -63,6 +65,10 @@ class PeerManager final : private PeerLink::Owner {
  public:
   using DataHandler = std::function<void(const std::string& peer, std::uint64_t channel,
                                          std::uint64_t seq, std::vector<std::byte> payload)>;
+  /// A ready connection to `peer` (node `node`) ended: its sends failed, and
+  /// nothing more will arrive on it. `why` names the node and the reason.
+  using DownHandler = std::function<void(const std::string& peer, const std::string& node,
+                                         Code code, const std::string& why)>;
 
   PeerManager(boost::asio::io_context& io, PeerOptions options, engine::Logger& log);
   ~PeerManager() override;
@@ -85,6 +91,9 @@ class PeerManager final : private PeerLink::Owner {
   /// Messages that arrive before a handler is registered are kept (up to
   /// 256 MiB in all) and handed to it when it is.
   void on_data(std::uint64_t channel, DataHandler handler);
+  /// Tells `handler` (one; an empty one removes it) whenever a ready
+  /// connection ends, except at shutdown. Event-loop thread.
+  void on_peer_down(DownHandler handler) { down_handler_ = std::move(handler); }
   /// One heartbeat round trip to `peer`, opening the connection if needed;
   /// answered within deadlines.connect_ms.
   void ping(const std::string& peer, PingDone done);
@@ -147,6 +156,7 @@ class PeerManager final : private PeerLink::Owner {
   std::map<std::uint64_t, DataHandler> handlers_;
   std::map<std::uint64_t, std::deque<Unclaimed>> unclaimed_;
   std::uint64_t unclaimed_bytes_ = 0;
+  DownHandler down_handler_;
 };
 
 /// The options the profile gives. Reads the test hook

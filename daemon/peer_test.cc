@@ -512,9 +512,17 @@ TEST_CASE("two managers: chunked data across streams, in order, whole; pings; st
   CHECK(sb[0].bytes_received > (4u << 20));
 
   // b goes away: a sees the connection die, and a send fails naming b.
+  std::vector<std::string> down;
+  a.manager->on_peer_down([&](const std::string& peer, const std::string& node, Code code,
+                              const std::string& why) {
+    down.push_back(peer + " " + node + " " + std::string(to_string(code)) + " " + why);
+  });
   b.manager.reset();
   REQUIRE(run_until(io, [&] { return a.manager->status()[0].state == PeerState::dead; },
                     std::chrono::seconds(5)));
+  REQUIRE(down.size() == 1);
+  CHECK(down[0].find(b.address() + " b unavailable node b (" + b.address() + "): the connection "
+                     "was closed by the other side") == 0);
   std::optional<PeerResult> failed;
   a.manager->send(b.address(), 5, pattern(10, 1), [&](const PeerResult& r) { failed = r; });
   REQUIRE(run_until(io, [&] { return failed.has_value(); }, std::chrono::seconds(5)));
