@@ -96,8 +96,8 @@ std::string ClientSession::who() const {
   return s + ")";
 }
 
-engine::ClientRef ClientSession::client_ref() {
-  return engine::ClientRef{id_, cred_.pid, sink_};
+engine::ClientRef ClientSession::client_ref(bool from_worker) {
+  return engine::ClientRef{id_, cred_.pid, sink_, from_worker};
 }
 
 void ClientSession::deliver(std::uint64_t id, engine::Result result) {
@@ -249,7 +249,7 @@ bool ClientSession::poll_ring() {
         if ((id & ipc::kRingRequestBit) == 0) {
           throw Error(Code::protocol, "a ring request id must have the ring bit set");
         }
-        dispatch_hot(id, m);
+        dispatch_hot(id, m, /*from_worker=*/true);
       });
     } catch (const Error& e) {
       host_.logger().warn("request_failed", {{"session", id_},
@@ -264,13 +264,13 @@ bool ClientSession::poll_ring() {
   return any;
 }
 
-void ClientSession::dispatch_hot(std::uint64_t id, wire::Message::Reader m) {
+void ClientSession::dispatch_hot(std::uint64_t id, wire::Message::Reader m, bool from_worker) {
   switch (m.which()) {
     case wire::Message::COLLECTIVE:
-      handle_collective(id, m.getCollective());
+      handle_collective(id, m.getCollective(), from_worker);
       break;
     case wire::Message::P2P_GROUP:
-      handle_p2p(id, m.getP2pGroup());
+      handle_p2p(id, m.getP2pGroup(), from_worker);
       break;
     case wire::Message::COMM_SPLIT: {
       auto r = m.getCommSplit();
@@ -289,7 +289,8 @@ void ClientSession::dispatch_hot(std::uint64_t id, wire::Message::Reader m) {
   }
 }
 
-void ClientSession::handle_collective(std::uint64_t id, wire::Collective::Reader req) {
+void ClientSession::handle_collective(std::uint64_t id, wire::Collective::Reader req,
+                                      bool from_worker) {
   engine::CollectiveArgs a;
   a.kind = to_engine(req.getKind());
   a.dtype = req.getDtype();
@@ -298,10 +299,10 @@ void ClientSession::handle_collective(std::uint64_t id, wire::Collective::Reader
   a.root = req.getRoot();
   a.send = {req.getSend().getHandle(), req.getSend().getOffset()};
   a.recv = {req.getRecv().getHandle(), req.getRecv().getOffset()};
-  host_.engine().collective(client_ref(), id, req.getComm(), a);
+  host_.engine().collective(client_ref(from_worker), id, req.getComm(), a);
 }
 
-void ClientSession::handle_p2p(std::uint64_t id, wire::P2PGroup::Reader req) {
+void ClientSession::handle_p2p(std::uint64_t id, wire::P2PGroup::Reader req, bool from_worker) {
   std::vector<engine::P2PArgs> items;
   const auto list = req.getItems();
   if (list.size() > 65536) throw Error(Code::invalid_argument, "more than 65536 items in a group");
@@ -315,7 +316,7 @@ void ClientSession::handle_p2p(std::uint64_t id, wire::P2PGroup::Reader req) {
     a.dtype = it.getDtype();
     items.push_back(a);
   }
-  host_.engine().p2p_group(client_ref(), id, req.getComm(), items);
+  host_.engine().p2p_group(client_ref(from_worker), id, req.getComm(), items);
 }
 
 void ClientSession::start() {
@@ -460,7 +461,7 @@ void ClientSession::dispatch(ipc::IncomingFrame& frame) {
           if ((request_id & ipc::kRingRequestBit) != 0) {
             throw Error(Code::protocol, "a request id with the ring bit came on the socket");
           }
-          dispatch_hot(request_id, m);
+          dispatch_hot(request_id, m, /*from_worker=*/false);
           break;
         case wire::Message::ATTACH_RING:
           handle_attach_ring(request_id, m.getAttachRing(), frame.fds());

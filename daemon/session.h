@@ -97,16 +97,18 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
   void handle_attach_ring(std::uint64_t id, wire::AttachRing::Reader req,
                           std::vector<UniqueFd>& fds);
   /// Runs a hot-path request (collective, p2p, split, destroy, abort); any thread.
-  void dispatch_hot(std::uint64_t id, wire::Message::Reader m);
+  void dispatch_hot(std::uint64_t id, wire::Message::Reader m, bool from_worker);
   /// Replies through the ring when the request came through it, else the socket.
   void send_reply(std::uint64_t id, std::vector<std::byte> frame);
   void wake_client();
   bool flush_ring_overflow();
-  void handle_collective(std::uint64_t id, wire::Collective::Reader req);
-  void handle_p2p(std::uint64_t id, wire::P2PGroup::Reader req);
+  void handle_collective(std::uint64_t id, wire::Collective::Reader req, bool from_worker);
+  void handle_p2p(std::uint64_t id, wire::P2PGroup::Reader req, bool from_worker);
   /// PeerPing: answered asynchronously (daemon/session_peer.cc).
   void handle_peer_ping(std::uint64_t id, wire::PeerPing::Reader req);
-  engine::ClientRef client_ref();
+  /// `from_worker`: the request is handled on a daemon worker thread (the
+  /// ring poller), which may run small operations itself.
+  engine::ClientRef client_ref(bool from_worker = false);
   void reply_error(std::uint64_t id, Code code, const std::string& message);
   /// Queues or writes a frame. Any thread.
   void send(std::vector<std::byte> frame);

@@ -517,13 +517,22 @@ struct Engine::Impl {
 
   // ---- requests -----------------------------------------------------------------
 
+  /// Runs `fn` under the engine lock, then starts the tasks it produced and
+  /// delivers its answers. `run_inline`: the caller is a daemon worker (the
+  /// ring poller), and an operation that is a single task runs right here,
+  /// saving the wake-up of a pool thread — most of a small operation's cost.
   template <typename Fn>
-  void locked(Fn&& fn) {
+  void locked(Fn&& fn, bool run_inline = false) {
     std::vector<Delivery> out;
     std::vector<std::function<void()>> tasks;
     {
       std::lock_guard lock(mu);
       fn(out, tasks);
+    }
+    if (run_inline && tasks.size() == 1) {
+      deliver(out);
+      tasks.front()();
+      return;
     }
     pool.submit_all(std::move(tasks));
     deliver(out);
@@ -674,7 +683,7 @@ struct Engine::Impl {
       }
       m.queue.push_back(Work{Work::Type::slot, seq, nullptr, 0, nullptr});
       progress(cp, out, tasks);
-    });
+    }, client.inline_small);
   }
 };
 
@@ -881,7 +890,7 @@ void Engine::p2p_group(const ClientRef& client, std::uint64_t request, std::uint
     g->seq = comm.next_group_seq++;
     comm.members[rank].queue.push_back(Work{Work::Type::group, 0, g, 0, nullptr});
     I.progress(cp, out, tasks);
-  });
+  }, client.inline_small);
 }
 
 void Engine::client_gone(std::uint64_t session) {

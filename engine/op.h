@@ -94,6 +94,9 @@ struct ClientRef {
   std::uint64_t session = 0;
   pid_t pid = 0;
   std::shared_ptr<CompletionSink> sink;
+  /// The call comes from a daemon worker thread (not the event loop), which
+  /// may run a small operation itself instead of waking a pool thread.
+  bool inline_small = false;
 };
 
 }  // namespace collectived::engine
