@@ -215,46 +215,40 @@ std::unique_ptr<ipc::IncomingFrame> Connection::wait_reply(std::uint64_t id,
     if (Clock::now() >= deadline) return nullptr;
     if (!reader_active_) {
       // Become the reader until something arrives, then let waiters look.
-      reader_active_ = true;
-      lock.unlock();
-      try {
+      read_as_reader(lock, [&] {
         if ((id & ipc::kRingRequestBit) != 0 && ring_ok_) {
           wait_ring(deadline);
         } else {
           read_once(deadline);
         }
-      } catch (const Error& e) {
-        lock.lock();
-        reader_active_ = false;
-        if (!broken_) broken_ = e;
-        arrived_cv_.notify_all();
-        continue;
-      }
-      lock.lock();
-      reader_active_ = false;
-      arrived_cv_.notify_all();
+      });
     } else {
       arrived_cv_.wait_until(lock, deadline);
     }
   }
 }
 
+void Connection::read_as_reader(std::unique_lock<std::mutex>& lock,
+                                const std::function<void()>& read) {
+  reader_active_ = true;
+  lock.unlock();
+  std::optional<Error> failed;
+  try {
+    read();
+  } catch (const Error& e) {
+    failed = e;
+  }
+  lock.lock();
+  reader_active_ = false;
+  if (failed && !broken_) broken_ = *failed;
+  arrived_cv_.notify_all();
+}
+
 std::unique_ptr<ipc::IncomingFrame> Connection::try_reply(std::uint64_t id) {
   std::unique_lock lock(state_mutex_);
   drain_ring_locked();
   if (auto it = arrived_.find(id); it == arrived_.end() && !broken_ && !reader_active_) {
-    reader_active_ = true;
-    lock.unlock();
-    try {
-      read_once(Clock::now());
-    } catch (const Error& e) {
-      lock.lock();
-      if (!broken_) broken_ = e;
-      lock.unlock();
-    }
-    lock.lock();
-    reader_active_ = false;
-    arrived_cv_.notify_all();
+    read_as_reader(lock, [&] { read_once(Clock::now()); });
   }
   if (auto it = arrived_.find(id); it != arrived_.end()) {
     auto frame = std::move(it->second);
@@ -337,19 +331,10 @@ void Connection::abandon(std::uint64_t id) {
 Error Connection::session_error_or(const Error& fallback) {
   std::unique_lock lock(state_mutex_);
   if (!broken_ && !reader_active_) {
-    reader_active_ = true;
-    lock.unlock();
-    try {
-      // Whatever is still queued on the socket; the daemon already closed it.
+    // Whatever is still queued on the socket; the daemon already closed it.
+    read_as_reader(lock, [&] {
       for (int i = 0; i < 64; ++i) read_once(Clock::now());
-    } catch (const Error& e) {
-      lock.lock();
-      if (!broken_) broken_ = e;
-      lock.unlock();
-    }
-    lock.lock();
-    reader_active_ = false;
-    arrived_cv_.notify_all();
+    });
   }
   if (broken_ && broken_->code() != Code::unavailable) return *broken_;
   if (broken_ && fallback.code() == Code::unavailable) return *broken_;

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -74,6 +75,9 @@ class Connection {
   /// in short slices, checking the socket between them.
   void wait_ring(Clock::time_point deadline);
   void read_once(Clock::time_point deadline);
+  /// Takes the reader role (state_mutex_ held by `lock`, no reader active),
+  /// runs `read` unlocked, records a failure as the connection's error.
+  void read_as_reader(std::unique_lock<std::mutex>& lock, const std::function<void()>& read);
   Error session_error_or(const Error& fallback);
 
   UniqueFd fd_;

@@ -5,3 +5,17 @@ function(collectived_warnings target)
     target_compile_options(${target} PRIVATE -Werror)
   endif()
 endfunction()
+
+# A doctest unit test next to the code it tests: executable `name` from
+# `source`, linked with the libraries given, registered with ctest (label unit).
+function(collectived_unit_test name source)
+  if(NOT COLLECTIVED_TESTS)
+    return()
+  endif()
+  add_executable(${name} ${source})
+  collectived_warnings(${name})
+  target_include_directories(${name} SYSTEM PRIVATE ${DOCTEST_INCLUDE_DIR})
+  target_link_libraries(${name} PRIVATE ${ARGN})
+  add_test(NAME ${name} COMMAND ${name})
+  set_tests_properties(${name} PROPERTIES LABELS unit)
+endfunction()

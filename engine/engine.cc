@@ -215,6 +215,20 @@ struct Engine::Impl {
     return it->second;
   }
 
+  /// resolve(), or an error answer naming `what` (then the pointer is null).
+  std::pair<std::shared_ptr<Comm>, int> resolve_or_answer(const ClientRef& client,
+                                                          std::uint64_t request,
+                                                          std::uint64_t handle,
+                                                          std::string_view what,
+                                                          std::vector<Delivery>& out) {
+    try {
+      return resolve(client, handle);
+    } catch (const Error& e) {
+      out.push_back({client.sink, request, error(e.code(), std::string(what) + ": " + e.what())});
+      return {nullptr, 0};
+    }
+  }
+
   Span resolve_span(const ClientRef& client, const BufferArg& b, std::uint64_t bytes,
                     const char* which) {
     if (bytes == 0) return {};
@@ -605,15 +619,8 @@ struct Engine::Impl {
   void submit_slot(const ClientRef& client, std::uint64_t request, std::uint64_t handle,
                    const CollectiveArgs& args, int color, int key) {
     locked([&](std::vector<Delivery>& out, std::vector<std::function<void()>>& tasks) {
-      std::shared_ptr<Comm> cp;
-      int rank = 0;
-      try {
-        std::tie(cp, rank) = resolve(client, handle);
-      } catch (const Error& e) {
-        out.push_back({client.sink, request,
-                       error(e.code(), std::string(to_string(args.kind)) + ": " + e.what())});
-        return;
-      }
+      auto [cp, rank] = resolve_or_answer(client, request, handle, to_string(args.kind), out);
+      if (!cp) return;
       Comm& comm = *cp;
       const std::string op(to_string(args.kind));
       if (stopping) {
@@ -785,14 +792,8 @@ void Engine::comm_split(const ClientRef& client, std::uint64_t request, std::uin
 void Engine::comm_destroy(const ClientRef& client, std::uint64_t request, std::uint64_t handle) {
   Impl& I = *impl_;
   I.locked([&](std::vector<Delivery>& out, std::vector<std::function<void()>>& tasks) {
-    std::shared_ptr<Comm> cp;
-    int rank = 0;
-    try {
-      std::tie(cp, rank) = I.resolve(client, handle);
-    } catch (const Error& e) {
-      out.push_back({client.sink, request, I.error(e.code(), std::string("comm_destroy: ") + e.what())});
-      return;
-    }
+    auto [cp, rank] = I.resolve_or_answer(client, request, handle, "comm_destroy", out);
+    if (!cp) return;
     Member& m = cp->members[rank];
     m.queue.push_back(Work{Work::Type::leave, 0, nullptr, request, client.sink});
     I.progress(cp, out, tasks);
@@ -802,14 +803,8 @@ void Engine::comm_destroy(const ClientRef& client, std::uint64_t request, std::u
 void Engine::comm_abort(const ClientRef& client, std::uint64_t request, std::uint64_t handle) {
   Impl& I = *impl_;
   I.locked([&](std::vector<Delivery>& out, std::vector<std::function<void()>>&) {
-    std::shared_ptr<Comm> cp;
-    int rank = 0;
-    try {
-      std::tie(cp, rank) = I.resolve(client, handle);
-    } catch (const Error& e) {
-      out.push_back({client.sink, request, I.error(e.code(), std::string("comm_abort: ") + e.what())});
-      return;
-    }
+    auto [cp, rank] = I.resolve_or_answer(client, request, handle, "comm_abort", out);
+    if (!cp) return;
     Comm& comm = *cp;
     I.log.warn("comm_aborted", {{"comm", comm.name}, {"rank", rank}, {"pid", client.pid}});
     I.break_comm(comm, Code::aborted,
@@ -834,14 +829,8 @@ void Engine::p2p_group(const ClientRef& client, std::uint64_t request, std::uint
                        const std::vector<P2PArgs>& items) {
   Impl& I = *impl_;
   I.locked([&](std::vector<Delivery>& out, std::vector<std::function<void()>>& tasks) {
-    std::shared_ptr<Comm> cp;
-    int rank = 0;
-    try {
-      std::tie(cp, rank) = I.resolve(client, handle);
-    } catch (const Error& e) {
-      out.push_back({client.sink, request, I.error(e.code(), std::string("send/recv group: ") + e.what())});
-      return;
-    }
+    auto [cp, rank] = I.resolve_or_answer(client, request, handle, "send/recv group", out);
+    if (!cp) return;
     Comm& comm = *cp;
     auto fail = [&](Code code, const std::string& why) {
       out.push_back({client.sink, request,
