@@ -311,6 +311,15 @@ struct Engine::Impl {
     }
   }
 
+  /// Every live communicator once (handles map several ranks to one).
+  std::vector<std::shared_ptr<Comm>> all_comms() const {
+    std::vector<std::shared_ptr<Comm>> comms;
+    for (const auto& [h, cr] : handles) comms.push_back(cr.first);
+    std::sort(comms.begin(), comms.end());
+    comms.erase(std::unique(comms.begin(), comms.end()), comms.end());
+    return comms;
+  }
+
   void drop_member(Comm& comm, int rank) {
     Member& m = comm.members[rank];
     m.active = false;
@@ -959,13 +968,7 @@ void Engine::check_deadlines() {
       I.log.warn("rendezvous_timeout", {{"comm", rv.name}, {"missing", rank_list(missing)}});
       it = I.rendezvous.erase(it);
     }
-    std::vector<std::shared_ptr<Comm>> comms;
-    for (auto& [h, cr] : I.handles) {
-      if (cr.second == 0 || comms.empty() || comms.back() != cr.first) comms.push_back(cr.first);
-    }
-    std::sort(comms.begin(), comms.end());
-    comms.erase(std::unique(comms.begin(), comms.end()), comms.end());
-    for (auto& cp : comms) {
+    for (auto& cp : I.all_comms()) {
       Comm& comm = *cp;
       for (auto it = comm.slots.begin(); it != comm.slots.end();) {
         Slot& slot = it->second;
@@ -1039,23 +1042,16 @@ void Engine::shutdown(const std::string& reason) {
       }
     }
     I.rendezvous.clear();
-    std::vector<std::shared_ptr<Comm>> comms;
-    for (auto& [h, cr] : I.handles) comms.push_back(cr.first);
-    std::sort(comms.begin(), comms.end());
-    comms.erase(std::unique(comms.begin(), comms.end()), comms.end());
-    for (auto& cp : comms) I.break_comm(*cp, Code::aborted, reason, out);
+    for (auto& cp : I.all_comms()) I.break_comm(*cp, Code::aborted, reason, out);
   });
 }
 
 EngineStats Engine::stats() const {
   std::lock_guard lock(impl_->mu);
   EngineStats s;
-  std::vector<Comm*> comms;
-  for (auto& [h, cr] : impl_->handles) comms.push_back(cr.first.get());
-  std::sort(comms.begin(), comms.end());
-  comms.erase(std::unique(comms.begin(), comms.end()), comms.end());
+  const auto comms = impl_->all_comms();
   s.communicators = static_cast<std::uint32_t>(comms.size());
-  for (Comm* c : comms) {
+  for (const auto& c : comms) {
     for (auto& [seq, slot] : c->slots) {
       if (!slot.failed) ++s.in_flight;
     }
