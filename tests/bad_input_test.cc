@@ -172,41 +172,25 @@ TEST_CASE("invalid, stale and foreign registration handles") {
   RawClient owner(d.socket()), other(d.socket());
   REQUIRE(owner.hello());
   REQUIRE(other.hello());
-  auto reg = [](RawClient& c, std::uint64_t id, std::uint64_t size, std::vector<int> fds) {
-    capnp::MallocMessageBuilder b;
-    auto m = b.initRoot<wire::Message>();
-    m.setId(id);
-    m.initRegisterHost().setSize(size);
-    c.send(b, fds);
-    return c.receive(5s);
-  };
-  auto dereg = [](RawClient& c, std::uint64_t id, std::uint64_t handle) {
-    capnp::MallocMessageBuilder b;
-    auto m = b.initRoot<wire::Message>();
-    m.setId(id);
-    m.initDeregister().setHandle(handle);
-    c.send(b);
-    return c.receive(5s);
-  };
   UniqueFd mem = sealed_memfd(8192);
-  auto r = reg(owner, 2, 8192, {mem.get()});
+  auto r = owner.register_host(2, 8192, {mem.get()});
   REQUIRE(r);
   REQUIRE(r->message().isRegistered());
   const std::uint64_t handle = r->message().getRegistered().getHandle();
 
-  auto foreign = dereg(other, 3, handle);
+  auto foreign = other.deregister(3, handle);
   REQUIRE(foreign);
   CHECK(error_code(*foreign) == Code::permission_denied);
   CHECK(error_message(*foreign).find("belongs to another client") != std::string::npos);
 
-  auto bogus = dereg(owner, 4, 0xdeadbeef);
+  auto bogus = owner.deregister(4, 0xdeadbeef);
   REQUIRE(bogus);
   CHECK(error_code(*bogus) == Code::not_found);
 
-  auto ok = dereg(owner, 5, handle);
+  auto ok = owner.deregister(5, handle);
   REQUIRE(ok);
   CHECK(ok->message().isOk());
-  auto stale = dereg(owner, 6, handle);
+  auto stale = owner.deregister(6, handle);
   REQUIRE(stale);
   CHECK(error_code(*stale) == Code::not_found);
   CHECK(error_message(*stale).find("already deregistered") != std::string::npos);
@@ -217,12 +201,7 @@ TEST_CASE("missing, wrong and unexpected descriptors") {
   RawClient c(d.socket());
   REQUIRE(c.hello());
   auto reg = [&](std::uint64_t id, std::uint64_t size, std::vector<int> fds) {
-    capnp::MallocMessageBuilder b;
-    auto m = b.initRoot<wire::Message>();
-    m.setId(id);
-    m.initRegisterHost().setSize(size);
-    c.send(b, fds);
-    auto reply = c.receive(5s);
+    auto reply = c.register_host(id, size, std::move(fds));
     REQUIRE(reply);
     CHECK(reply->message().getId() == id);
     return std::make_pair(error_code(*reply), error_message(*reply));
@@ -346,12 +325,7 @@ TEST_CASE("a killed client's registrations are released") {
     c.hello();
     for (int i = 0; i < 3; ++i) {
       UniqueFd mem = sealed_memfd(1 << 16);
-      capnp::MallocMessageBuilder b;
-      auto m = b.initRoot<wire::Message>();
-      m.setId(10 + i);
-      m.initRegisterHost().setSize(1 << 16);
-      c.send(b, {mem.get()});
-      if (!c.receive(5s)) return 1;
+      if (!c.register_host(10 + i, 1 << 16, {mem.get()})) return 1;
     }
     char x = 'r';
     if (::write(pipefd[1], &x, 1) != 1) return 1;

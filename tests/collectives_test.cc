@@ -747,12 +747,7 @@ TEST_CASE("buffers outside registrations are refused, in the client and in the d
   REQUIRE(ready->message().isCommReady());
   const auto comm = ready->message().getCommReady().getComm();
   UniqueFd mem = sealed_memfd(4096);
-  capnp::MallocMessageBuilder reg;
-  auto rm = reg.initRoot<wire::Message>();
-  rm.setId(3);
-  rm.initRegisterHost().setSize(4096);
-  raw.send(reg, {mem.get()});
-  auto regd = raw.receive(5s);
+  auto regd = raw.register_host(3, 4096, {mem.get()});
   REQUIRE(regd);
   const auto handle = regd->message().getRegistered().getHandle();
   capnp::MallocMessageBuilder op;

@@ -303,6 +303,25 @@ bool RawClient::closed_by_peer(std::chrono::milliseconds timeout) {
   return eof_;
 }
 
+std::unique_ptr<ipc::IncomingFrame> RawClient::register_host(std::uint64_t id, std::uint64_t size,
+                                                             std::vector<int> fds) {
+  capnp::MallocMessageBuilder b;
+  auto m = b.initRoot<wire::Message>();
+  m.setId(id);
+  m.initRegisterHost().setSize(size);
+  send(b, std::move(fds));
+  return receive(5s);
+}
+
+std::unique_ptr<ipc::IncomingFrame> RawClient::deregister(std::uint64_t id, std::uint64_t handle) {
+  capnp::MallocMessageBuilder b;
+  auto m = b.initRoot<wire::Message>();
+  m.setId(id);
+  m.initDeregister().setHandle(handle);
+  send(b);
+  return receive(5s);
+}
+
 std::unique_ptr<ipc::IncomingFrame> RawClient::status(std::uint64_t id) {
   capnp::MallocMessageBuilder b;
   auto m = b.initRoot<wire::Message>();

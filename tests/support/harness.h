@@ -115,6 +115,11 @@ class RawClient {
   std::unique_ptr<ipc::IncomingFrame> receive(std::chrono::milliseconds timeout);
   /// True when the daemon closed the connection within `timeout`.
   bool closed_by_peer(std::chrono::milliseconds timeout);
+  /// Sends RegisterHost{size} with `fds` and returns the reply frame.
+  std::unique_ptr<ipc::IncomingFrame> register_host(std::uint64_t id, std::uint64_t size,
+                                                    std::vector<int> fds);
+  /// Sends Deregister{handle} and returns the reply frame.
+  std::unique_ptr<ipc::IncomingFrame> deregister(std::uint64_t id, std::uint64_t handle);
   /// Sends Status and returns the reply frame.
   std::unique_ptr<ipc::IncomingFrame> status(std::uint64_t id = 1000);
 
