@@ -197,7 +197,9 @@ void PeerManager::listen() {
 
 void PeerManager::accept_next() {
   acceptor_.async_accept([this](const boost::system::error_code& ec, tcp::socket socket) {
-    if (stopping_ || ec == asio::error::operation_aborted) return;
+    // Aborted first: a handler cancelled by the manager's destruction runs
+    // after `this` is gone and must not touch it.
+    if (ec == asio::error::operation_aborted || stopping_) return;
     if (ec) {
       log_.error("peer_accept_failed", {{"error", ec.message()}});
     } else {

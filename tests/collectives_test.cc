@@ -793,3 +793,32 @@ TEST_CASE("comm_destroy: a rank that left is named in the others' later errors")
     return collective_comm_destroy(c.comm) == COLLECTIVE_OK ? 0 : 12;
   });
 }
+
+TEST_CASE("collective_test polls to completion; a wait that runs out leaves the request valid") {
+  Daemon d;
+  auto id = new_id(d.socket());
+  run_ranks(2, [&](int rank) {
+    RankCtx c = join(d.socket(), id, 2, rank, 4096);
+    auto* v = reinterpret_cast<std::int32_t*>(c.send);
+    v[0] = rank + 1;
+    if (rank == 1) std::this_thread::sleep_for(300ms);  // rank 0's wait runs out first
+    collective_request_t* r = nullptr;
+    if (collective_all_reduce(c.comm, v, c.recv, 1, COLLECTIVE_INT32, COLLECTIVE_SUM, &r) !=
+        COLLECTIVE_OK)
+      return 10;
+    if (rank == 0) {
+      if (collective_wait(r, 50) != COLLECTIVE_TIMEOUT) return 11;
+      if (!contains(collective_last_error(), "still pending")) return 12;
+    }
+    int done = 0;
+    const auto until = std::chrono::steady_clock::now() + 10s;
+    while (!done && std::chrono::steady_clock::now() < until) {
+      if (collective_test(r, &done) != COLLECTIVE_OK) return 13;
+      if (!done) std::this_thread::sleep_for(1ms);
+    }
+    if (!done) return 14;
+    if (collective_wait(r, 0) != COLLECTIVE_OK) return 15;  // completed requests stay completed
+    collective_request_free(r);
+    return reinterpret_cast<std::int32_t*>(c.recv)[0] == 3 ? 0 : 16;
+  });
+}
