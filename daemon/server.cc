@@ -26,6 +26,12 @@ using stream = asio::local::stream_protocol;
 namespace {
 
 std::string address_of(const config::Profile& p) {
+  // Without a peer listener no other daemon can reach this one, and several
+  // such daemons on a host would all be "127.0.0.1:0": name this one by its
+  // pid and node instead (short enough for a unique id), so that a unique id
+  // taken to another daemon is refused with a clear error rather than
+  // rendezvousing apart.
+  if (p.peer.port == 0) return "local:" + std::to_string(::getpid()) + "@" + p.node.name;
   // IPv6 literals are bracketed so that the port stays unambiguous.
   const bool v6 = p.peer.listen_address.find(':') != std::string::npos;
   return (v6 ? "[" + p.peer.listen_address + "]" : p.peer.listen_address) + ":" +

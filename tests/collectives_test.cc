@@ -822,3 +822,17 @@ TEST_CASE("collective_test polls to completion; a wait that runs out leaves the 
     return reinterpret_cast<std::int32_t*>(c.recv)[0] == 3 ? 0 : 16;
   });
 }
+
+TEST_CASE("a unique id taken to another daemon is refused, naming both") {
+  Daemon a, b;
+  auto id = new_id(a.socket());
+  collective_client_t* client = nullptr;
+  REQUIRE(collective_connect(b.socket().c_str(), "elsewhere", &client) == COLLECTIVE_OK);
+  collective_comm_t* comm = nullptr;
+  CHECK(collective_comm_init_rank(client, &id, 2, 1, &comm) == COLLECTIVE_UNAVAILABLE);
+  const std::string msg = collective_last_error();
+  CHECK(msg.find("names rendezvous daemon local:" + std::to_string(a.pid()) + "@") !=
+        std::string::npos);
+  CHECK(msg.find("(local:" + std::to_string(b.pid()) + "@") != std::string::npos);
+  collective_disconnect(client);
+}
