@@ -115,7 +115,7 @@ collective_result_t submit(collective_comm_t* comm, wire::OpKind kind, const voi
                     std::to_string(static_cast<int>(dtype)));
   }
   return guarded(name, [&] {
-    capnp::MallocMessageBuilder b;
+    capnp::MallocMessageBuilder b(ipc::kSmallMessageWords);
     auto c = b.initRoot<wire::Message>().initCollective();
     c.setComm(comm->handle);
     c.setKind(kind);

@@ -106,7 +106,7 @@ void ClientSession::deliver(std::uint64_t id, engine::Result result) {
     send_reply(id, ipc::encode_error(id, result.code, result.message));
     return;
   }
-  capnp::MallocMessageBuilder b;
+  capnp::MallocMessageBuilder b(ipc::kSmallMessageWords);
   auto m = b.initRoot<wire::Message>();
   m.setId(id);
   if (result.comm) {

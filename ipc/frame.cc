@@ -45,7 +45,7 @@ std::vector<std::byte> encode_frame(capnp::MessageBuilder& message, std::uint32_
 }
 
 std::vector<std::byte> encode_error(std::uint64_t id, Code code, std::string_view text) {
-  capnp::MallocMessageBuilder b;
+  capnp::MallocMessageBuilder b(kSmallMessageWords);
   auto m = b.initRoot<wire::Message>();
   m.setId(id);
   auto e = m.initError();

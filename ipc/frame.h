@@ -50,6 +50,11 @@ struct Limits {
   static Limits for_max_frame(std::uint64_t max_frame_bytes);
 };
 
+/// First-segment size for the small messages of the hot path (collectives and
+/// their answers, ~100-300 bytes): Cap'n Proto's default first segment is
+/// 8 KiB, zero-filled on every message.
+inline constexpr unsigned kSmallMessageWords = 64;
+
 /// Encodes `message` as one frame that declares `nfds` descriptors.
 std::vector<std::byte> encode_frame(capnp::MessageBuilder& message, std::uint32_t nfds = 0);
 
