@@ -346,26 +346,31 @@ std::uint64_t PeerLink::bytes_received() const {
   return n;
 }
 
+void PeerLink::arm_connect_deadline(std::string (*why)(const PeerLink&)) {
+  std::weak_ptr<PeerLink> weak = shared_from_this();
+  connect_timer_.expires_after(options_.connect_deadline);
+  connect_timer_.async_wait([weak, why](const boost::system::error_code& ec) {
+    auto self = weak.lock();
+    if (ec || !self || self->state_ != PeerState::connecting) return;
+    self->fail(Code::timeout, why(*self), false, true);
+  });
+}
+
 void PeerLink::connect() {
   connection_id_ = random_u64();
   streams_wanted_ = std::max<std::uint32_t>(1, options_.streams_per_peer);
   streams_.resize(streams_wanted_);
   handshakes_.resize(streams_wanted_);
-  std::weak_ptr<PeerLink> weak = shared_from_this();
-  const auto deadline = options_.connect_deadline;
-  connect_timer_.expires_after(deadline);
-  connect_timer_.async_wait([weak, deadline](const boost::system::error_code& ec) {
-    auto self = weak.lock();
-    if (ec || !self || self->state_ != PeerState::connecting) return;
-    self->fail(Code::timeout,
-               "no connection to " + self->describe() + " within " + ms_text(deadline) +
-                   " (deadlines.connect_ms): " +
-                   (self->streams_ready_ == 0
-                        ? std::string("the daemon did not answer")
-                        : std::to_string(self->streams_ready_) + " of " +
-                              std::to_string(self->streams_wanted_) + " streams were ready"),
-               false, true);
+  // Dialing side: how far the connection got when the deadline passed.
+  arm_connect_deadline([](const PeerLink& self) {
+    return "no connection to " + self.describe() + " within " +
+           ms_text(self.options_.connect_deadline) + " (deadlines.connect_ms): " +
+           (self.streams_ready_ == 0 ? std::string("the daemon did not answer")
+                                     : std::to_string(self.streams_ready_) + " of " +
+                                           std::to_string(self.streams_wanted_) +
+                                           " streams were ready");
   });
+  std::weak_ptr<PeerLink> weak = shared_from_this();
   PeerAddress address;
   try {
     address = parse_peer_address(key_);
@@ -504,17 +509,12 @@ void PeerLink::attach(std::shared_ptr<PeerStream> stream, const Handshake& hs) {
     streams_.resize(streams_wanted_);
     remote_ = hs.remote();
     node_ = remote_.node;
-    std::weak_ptr<PeerLink> weak = shared_from_this();
-    const auto deadline = options_.connect_deadline;
-    connect_timer_.expires_after(deadline);
-    connect_timer_.async_wait([weak, deadline](const boost::system::error_code& ec) {
-      auto self = weak.lock();
-      if (ec || !self || self->state_ != PeerState::connecting) return;
-      self->fail(Code::timeout,
-                 "only " + std::to_string(self->streams_ready_) + " of " +
-                     std::to_string(self->streams_wanted_) + " streams of " + self->describe() +
-                     " arrived within " + ms_text(deadline) + " (deadlines.connect_ms)",
-                 false, true);
+    // Accepting side: the initiator's other streams must follow in time.
+    arm_connect_deadline([](const PeerLink& self) {
+      return "only " + std::to_string(self.streams_ready_) + " of " +
+             std::to_string(self.streams_wanted_) + " streams of " + self.describe() +
+             " arrived within " + ms_text(self.options_.connect_deadline) +
+             " (deadlines.connect_ms)";
     });
   }
   const std::uint32_t index = hs.stream_index();

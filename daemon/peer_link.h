@@ -226,6 +226,9 @@ class PeerLink : public std::enable_shared_from_this<PeerLink>, public StreamSin
   std::uint64_t max_frame() const;
   void become_ready();
   void fail(Code code, const std::string& why, bool refused, bool tell_peer);
+  /// Fails the link with timeout and why(*this) unless it is ready within
+  /// deadlines.connect_ms.
+  void arm_connect_deadline(std::string (*why)(const PeerLink&));
   void arm_heartbeat();
   void heartbeat_tick();
   std::vector<std::byte> heartbeat_frame(std::uint64_t seq) const;
