@@ -97,10 +97,6 @@ collective_result_t finish(collective_request_t* r) {
   return fail(static_cast<Code>(r->result), r->message);
 }
 
-std::uint64_t wait_ms_to_deadline_ms(const Connection& c) {
-  return static_cast<std::uint64_t>(c.operation_deadline().count());
-}
-
 collective_result_t submit(collective_comm_t* comm, wire::OpKind kind, const void* send,
                            std::uint64_t send_bytes, void* recv, std::uint64_t recv_bytes,
                            std::size_t count, collective_dtype_t dtype, collective_redop_t redop,
@@ -460,7 +456,7 @@ collective_result_t collective_wait(collective_request_t* r, int timeout_ms) {
   if (r == nullptr) return fail(Code::invalid_argument, "collective_wait: request is NULL");
   if (!r->done) {
     const auto limit = timeout_ms < 0
-                           ? std::chrono::milliseconds(wait_ms_to_deadline_ms(*r->conn)) +
+                           ? r->conn->operation_deadline() +
                                  std::chrono::milliseconds(kDeadlineMargin)
                            : std::chrono::milliseconds(timeout_ms);
     try {

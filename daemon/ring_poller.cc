@@ -13,8 +13,7 @@
 
 namespace collectived::daemon {
 
-RingPoller::RingPoller(engine::Logger& log, std::chrono::microseconds spin)
-    : log_(log), spin_(spin) {
+RingPoller::RingPoller(std::chrono::microseconds spin) : spin_(spin) {
   epoll_.reset(::epoll_create1(EPOLL_CLOEXEC));
   if (!epoll_) throw_errno("epoll_create1 for the ring poller");
   wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));

@@ -9,7 +9,6 @@
 #include <thread>
 #include <vector>
 
-#include "engine/log.h"
 #include "ipc/fd.h"
 
 namespace collectived::daemon {
@@ -21,7 +20,7 @@ class ClientSession;
 class RingPoller {
  public:
   /// `spin`: how long an idle poller keeps polling before it sleeps.
-  RingPoller(engine::Logger& log, std::chrono::microseconds spin);
+  explicit RingPoller(std::chrono::microseconds spin);
   ~RingPoller();
   RingPoller(const RingPoller&) = delete;
   RingPoller& operator=(const RingPoller&) = delete;
@@ -37,7 +36,6 @@ class RingPoller {
   void run();
   bool poll_all();
 
-  engine::Logger& log_;
   const std::chrono::microseconds spin_;
   mutable std::mutex mutex_;  // held while polling: detach waits for the round
   std::vector<std::pair<std::shared_ptr<ClientSession>, int>> sessions_;

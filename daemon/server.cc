@@ -90,7 +90,7 @@ Server::Server(config::Profile profile, ProfileSource source, engine::Logger& lo
       engine_(engine_options(profile_), registry_, log_),
       // An idle poller keeps polling this long before it sleeps: a little
       // longer than a small collective's round trip through the clients.
-      ring_poller_(log_, std::chrono::microseconds(200)),
+      ring_poller_(std::chrono::microseconds(200)),
       acceptor_(io_),
       signals_(io_, SIGTERM, SIGINT, SIGHUP),
       watchdog_timer_(io_),
