@@ -5,6 +5,7 @@
 // frame is read field by field (kj::str walks the whole message through the
 // generated readers), as the daemon's dispatch would, under the daemon's own
 // limits. The same bytes are also offered as one ring slot (decode_frame).
+#include <fcntl.h>
 #include <sys/eventfd.h>
 
 #include <algorithm>
@@ -67,7 +68,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       at += n;
       decoder.commit(n);
       std::vector<UniqueFd> fds;
-      for (unsigned i = 0; i < fds_per_read; ++i) fds.emplace_back(::eventfd(0, EFD_CLOEXEC));
+      static const int proto = ::eventfd(0, EFD_CLOEXEC);
+      for (unsigned i = 0; i < fds_per_read; ++i) fds.emplace_back(::fcntl(proto, F_DUPFD_CLOEXEC, 0));
       decoder.add_fds(std::move(fds));
       while (auto frame = decoder.next()) read_all(*frame);
     }

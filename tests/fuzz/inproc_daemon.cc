@@ -67,13 +67,17 @@ InprocDaemon* start() {
       "deadlines.client_request_ms=500",
       "deadlines.connect_ms=500",
       "workers.threads=2",
-      "log.level=error",
+      // COLLECTIVED_FUZZ_LOG=debug shows what the daemon makes of the inputs.
+      std::string("log.level=") +
+          (std::getenv("COLLECTIVED_FUZZ_LOG") ? std::getenv("COLLECTIVED_FUZZ_LOG") : "error"),
   };
   config::Profile profile = config::load_profile_text("fuzz", "", overrides);
   // Leaked on purpose: the server lives until the process exits.
   auto* log = new engine::Logger(profile.log.level);
   auto* server = new daemon::Server(profile, {"", overrides}, *log);
   server->listen();
+  d->rendezvous = server->rendezvous_address();
+  d->max_frame_bytes = profile.client.max_frame_bytes;
   std::thread([server] { server->run(); }).detach();
   return d;
 }

@@ -17,6 +17,8 @@ struct InprocDaemon {
   std::string socket;       ///< client socket path
   std::uint16_t peer_port;  ///< peer listener on 127.0.0.1
   std::string secret;       ///< the cluster secret's bytes
+  std::string rendezvous;   ///< the address unique ids of this daemon name
+  std::uint64_t max_frame_bytes;  ///< client.max_frame_bytes
 };
 
 /// Starts the daemon on first call; aborts if it cannot.

@@ -17,6 +17,14 @@
 using namespace collectived;
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  // Debugging aid: the input being run, for crashes libFuzzer cannot save
+  // (an out-of-memory kill).
+  if (const char* save = std::getenv("COLLECTIVED_FUZZ_SAVE")) {
+    if (std::FILE* f = std::fopen(save, "wb")) {
+      std::fwrite(data, 1, size, f);
+      std::fclose(f);
+    }
+  }
   std::string_view text(reinterpret_cast<const char*>(data), size);
   std::vector<std::string> overrides;
   constexpr std::string_view kSep = "\n#--set\n";
