@@ -136,7 +136,7 @@ Plan make_plan(std::mt19937_64& rng, const Args& a, int n) {
 }
 
 /// Prepares the inputs of `p` on this rank and submits it.
-collective_result_t submit(Rank& r, CommState& c, const Plan& p, collective_request_t** req,
+collective_result_t submit(CommState& c, const Plan& p, collective_request_t** req,
                            char** out) {
   const int n = collective_comm_size(c.comm), rank = collective_comm_rank(c.comm);
   const collective_dtype_t d = p.dtype;
@@ -251,7 +251,7 @@ bool any(Rank& r, bool flag) {
 }
 
 int run_rank(const Args& a, int rank, const std::vector<collective_unique_id_t>& ids) {
-  Rank r{a, rank};
+  Rank r{a, rank, nullptr, {}, 0, 0, {}};
   const std::string name = "soak rank " + std::to_string(rank);
   if (collective_connect(a.socket.c_str(), name.c_str(), &r.client) != COLLECTIVE_OK) {
     std::fprintf(stderr, "soak rank %d: connect: %s\n", rank, collective_last_error());
@@ -282,7 +282,7 @@ int run_rank(const Args& a, int rank, const std::vector<collective_unique_id_t>&
       plans.push_back(make_plan(rng, a, a.ranks));
       CommState& c = r.comms[(first + w) % a.comms];
       submitted[w] = Clock::now();
-      rcs[w] = submit(r, c, plans[w], &reqs[w], &outs[w]);
+      rcs[w] = submit(c, plans[w], &reqs[w], &outs[w]);
     }
     for (int w = 0; w < width; ++w) {
       CommState& c = r.comms[(first + w) % a.comms];
@@ -326,7 +326,7 @@ int run_rank(const Args& a, int rank, const std::vector<collective_unique_id_t>&
         Plan p{Op::all_reduce, COLLECTIVE_INT32, COLLECTIVE_SUM, 33, 0, false, rng()};
         collective_request_t* req = nullptr;
         char* out = nullptr;
-        collective_result_t rc = submit(r, cs, p, &req, &out);
+        collective_result_t rc = submit(cs, p, &req, &out);
         if (rc == COLLECTIVE_OK) rc = collective_wait(req, 60000);
         collective_request_free(req);
         if (rc != COLLECTIVE_OK) r.fail(std::string("all_reduce on a split: ") + collective_last_error());
