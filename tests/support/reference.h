@@ -128,4 +128,45 @@ inline std::uint64_t reduce(collective_dtype_t d, collective_redop_t op,
   return 0;
 }
 
+inline double as_double(collective_dtype_t d, std::uint64_t bits) {
+  switch (d) {
+    case COLLECTIVE_FLOAT16: return f16_to_f32(static_cast<std::uint16_t>(bits));
+    case COLLECTIVE_BFLOAT16: return bf16_to_f32(static_cast<std::uint16_t>(bits));
+    case COLLECTIVE_FLOAT32: return std::bit_cast<float>(static_cast<std::uint32_t>(bits));
+    case COLLECTIVE_FLOAT64: return std::bit_cast<double>(bits);
+    default: return static_cast<double>(bits);
+  }
+}
+
+/// Across nodes, reductions run in another order than rank order (node by
+/// node): float results may differ from reduce() by rounding. True if `got`
+/// is within a few ulps of the inputs' magnitude (the rule of
+/// tests/support/collective_check.cc); integers, min and max are exact.
+inline bool close_enough(collective_dtype_t d, collective_redop_t op, std::uint64_t got,
+                         std::uint64_t want, const std::vector<std::uint64_t>& in) {
+  if (got == want) return true;
+  if (op == COLLECTIVE_MIN || op == COLLECTIVE_MAX) return false;
+  double eps = 0;
+  switch (d) {
+    case COLLECTIVE_FLOAT16: eps = 1.0 / 1024; break;
+    case COLLECTIVE_BFLOAT16: eps = 1.0 / 128; break;
+    case COLLECTIVE_FLOAT32: eps = 1.0 / (1 << 23); break;
+    case COLLECTIVE_FLOAT64: eps = 1.0 / (1ull << 52); break;
+    default: return false;
+  }
+  const double g = as_double(d, got), w = as_double(d, want);
+  double scale = 0;
+  if (op == COLLECTIVE_PROD) {
+    scale = w < 0 ? -w : w;
+  } else {
+    for (auto b : in) {
+      const double v = as_double(d, b);
+      scale += v < 0 ? -v : v;
+    }
+    if (op == COLLECTIVE_AVG) scale /= static_cast<double>(in.size());
+  }
+  const double diff = g > w ? g - w : w - g;
+  return diff <= 4.0 * eps * scale * static_cast<double>(in.size()) + 1e-30;
+}
+
 }  // namespace collectived::test::reference
