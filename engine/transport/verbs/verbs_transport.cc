@@ -734,6 +734,32 @@ struct Pair::Impl {
     cv.notify_all();
   }
 
+  // Copies every arrived chunk still in its slot to the heap and gives the
+  // slots back (see Pair::next_chunk). Called with `mu` held.
+  void spill() {
+    for (Chunk& c : arrived) {
+      if (c.spilled || c.generation != generation) continue;
+      auto copy = std::make_shared<std::vector<std::byte>>(c.data.begin(), c.data.end());
+      c.data = std::span<const std::byte>(copy->data(), copy->size());
+      c.spilled = std::move(copy);
+      give_back(c.slot);
+      ++stats.spilled_chunks;
+    }
+    pump();
+  }
+
+  // Queues the credit for local slot `slot`. Called with `mu` held.
+  void give_back(std::uint32_t slot) {
+    slot_held[slot] = false;
+    // Coalesce with the last queued credit when adjacent.
+    if (!credits_to_send.empty() &&
+        credits_to_send.back().first + credits_to_send.back().second == slot) {
+      ++credits_to_send.back().second;
+    } else {
+      credits_to_send.emplace_back(slot, 1);
+    }
+  }
+
   // Waits on `cv` until `done()` or the deadline, probing the peer while it
   // takes long, so that a dead peer fails the wait before its deadline.
   template <typename Done>
@@ -815,7 +841,12 @@ Chunk Pair::next_chunk(std::optional<std::uint64_t> tag, Clock::time_point deadl
     }
     return false;
   };
-  p.wait(lock, deadline, find, [&] {
+  auto find_or_spill = [&] {
+    if (find()) return true;
+    if (tag) p.spill();
+    return false;
+  };
+  p.wait(lock, deadline, find_or_spill, [&] {
     return tag ? "a message with tag " + std::to_string(*tag) : std::string("a message");
   });
   return out;
@@ -824,18 +855,11 @@ Chunk Pair::next_chunk(std::optional<std::uint64_t> tag, Clock::time_point deadl
 void Pair::release(const Chunk& chunk) {
   Impl& p = *impl_;
   std::lock_guard lock(p.mu);
-  if (chunk.generation != p.generation || chunk.slot >= p.slot_held.size() ||
+  if (chunk.spilled || chunk.generation != p.generation || chunk.slot >= p.slot_held.size() ||
       !p.slot_held[chunk.slot]) {
     return;
   }
-  p.slot_held[chunk.slot] = false;
-  // Coalesce with the last queued credit when adjacent.
-  if (!p.credits_to_send.empty() &&
-      p.credits_to_send.back().first + p.credits_to_send.back().second == chunk.slot) {
-    ++p.credits_to_send.back().second;
-  } else {
-    p.credits_to_send.emplace_back(chunk.slot, 1);
-  }
+  p.give_back(chunk.slot);
   p.pump();
 }
 

@@ -95,6 +95,8 @@ struct Chunk {
   std::span<const std::byte> data;
   std::uint32_t slot = 0;
   std::uint64_t generation = 0;  ///< connection generation (a rebuild invalidates chunks)
+  /// Set when the chunk was copied out of its slot (see Pair::next_chunk); data points into it.
+  std::shared_ptr<const void> spilled;
 };
 
 struct PairStats {
@@ -104,6 +106,7 @@ struct PairStats {
   std::uint64_t credit_messages = 0;
   std::uint64_t credit_stalls = 0;  ///< writes that waited for a free remote slot
   std::uint64_t rebuilds = 0;
+  std::uint64_t spilled_chunks = 0;  ///< copied out of their slots (received out of order)
 };
 
 /// A connection to one peer node: `qps_per_connection` RC queue pairs and the
@@ -125,6 +128,9 @@ class Pair {
   void wait_written(std::uint64_t id, Clock::time_point deadline);
 
   /// The next received chunk with `tag` (nullopt: any tag); throws timeout at the deadline.
+  /// While it waits for one tag, chunks of other tags that hold slots are copied
+  /// out ("spilled") and their slots released: otherwise messages received out of
+  /// order could hold every credit and the awaited one could never arrive.
   Chunk next_chunk(std::optional<std::uint64_t> tag, Clock::time_point deadline);
   /// Gives a chunk's slot back to the sender (no-op for a chunk of an older generation).
   void release(const Chunk& chunk);
