@@ -45,6 +45,9 @@ inline verbs::Options options_from(const Args& a) {
   o.retry_count = static_cast<std::uint32_t>(std::stoul(arg(a, "retry", "3")));
   o.mtu = static_cast<std::uint32_t>(std::stoul(arg(a, "mtu", "0")));
   o.mr_cache_entries = 64;
+  o.spin_us = static_cast<std::uint32_t>(std::stoul(arg(a, "spin-us", "50")));
+  o.yield_us = static_cast<std::uint32_t>(std::stoul(arg(a, "yield-us", "1000")));
+  o.wait_poll_us = static_cast<std::uint32_t>(std::stoul(arg(a, "wait-poll-us", "0")));
   return o;
 }
 

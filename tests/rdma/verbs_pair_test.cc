@@ -333,6 +333,10 @@ int main(int argc, char** argv) {
     return 77;
   }
   if (verbs::discover_devices(*g_lib).empty()) {
+    if (std::getenv("RDMA_VM") != nullptr) {  // inside the VM the devices must be there
+      std::fprintf(stderr, "FAIL: RDMA_VM is set but %s\n", verbs::no_devices_reason().c_str());
+      return 1;
+    }
     std::fprintf(stderr, "skipped: %s (run inside ../shared/rdma-vm/run-in-vm)\n",
                  verbs::no_devices_reason().c_str());
     return 77;

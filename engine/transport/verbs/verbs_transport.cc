@@ -53,17 +53,22 @@ std::uint32_t credit_imm(std::uint32_t first, std::uint32_t count) {
   return kCreditBit | (count << 16) | first;
 }
 
-// Work request ids: [generation:16][kind:8][qp:8][value:32]. The generation
+// Work request ids: [generation:12][kind:4][qp:8][value:40]. The generation
 // tells completions of a connection torn down by rebuild() from current ones.
+// A data write carries its operation's id, not the slot: the reader may give
+// the slot back (and the writer reuse it) before the writer has polled the
+// write's own completion, since acknowledgements and credits travel apart.
 enum class WrKind : std::uint8_t { data = 1, credit = 2, probe = 3, recv = 4 };
-std::uint64_t wr_id(std::uint64_t generation, WrKind kind, std::uint32_t qp, std::uint32_t value) {
-  return ((generation & 0xffff) << 48) | (static_cast<std::uint64_t>(kind) << 40) |
-         (static_cast<std::uint64_t>(qp & 0xff) << 32) | value;
+constexpr std::uint64_t kGenerationMask = 0xfff;
+constexpr std::uint64_t kValueMask = (1ull << 40) - 1;
+std::uint64_t wr_id(std::uint64_t generation, WrKind kind, std::uint32_t qp, std::uint64_t value) {
+  return ((generation & kGenerationMask) << 52) | (static_cast<std::uint64_t>(kind) << 48) |
+         (static_cast<std::uint64_t>(qp & 0xff) << 40) | (value & kValueMask);
 }
-std::uint64_t wr_generation(std::uint64_t id) { return id >> 48; }
-WrKind wr_kind(std::uint64_t id) { return static_cast<WrKind>((id >> 40) & 0xff); }
-std::uint32_t wr_qp(std::uint64_t id) { return static_cast<std::uint32_t>((id >> 32) & 0xff); }
-std::uint32_t wr_value(std::uint64_t id) { return static_cast<std::uint32_t>(id); }
+std::uint64_t wr_generation(std::uint64_t id) { return id >> 52; }
+WrKind wr_kind(std::uint64_t id) { return static_cast<WrKind>((id >> 48) & 0xf); }
+std::uint32_t wr_qp(std::uint64_t id) { return static_cast<std::uint32_t>((id >> 40) & 0xff); }
+std::uint64_t wr_value(std::uint64_t id) { return id & kValueMask; }
 
 // Queue-pair parameters exchanged over the channel (little-endian).
 constexpr std::uint32_t kHelloMagic = 0x50515643;  // "CVQP"
@@ -315,7 +320,6 @@ struct Pair::Impl {
   std::map<std::uint64_t, WriteOp> ops;
   std::deque<std::uint64_t> pending;        // ops with bytes not yet posted, in order
   std::deque<std::uint32_t> free_remote;    // remote slots we may write
-  std::vector<std::uint64_t> slot_op;       // remote slot -> op id in flight
   std::deque<std::pair<std::uint32_t, std::uint32_t>> credits_to_send;  // (first, count)
   std::set<std::uint64_t> dropped;          // op ids failed by a rebuild
   std::uint64_t next_id = 1;
@@ -431,7 +435,7 @@ struct Pair::Impl {
       sge[1].length = static_cast<std::uint32_t>(n);
       sge[1].lkey = op.buffer.lkey();
       ibv_send_wr wr{};
-      wr.wr_id = wr_id(generation, WrKind::data, q, slot);
+      wr.wr_id = wr_id(generation, WrKind::data, q, it->first);
       wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
       wr.send_flags = IBV_SEND_SIGNALED;
       wr.sg_list = sge;
@@ -441,7 +445,6 @@ struct Pair::Impl {
       wr.wr.rdma.rkey = remote.slot_rkey;
       if (!post_send(q, wr, "RDMA WRITE")) return;
       free_remote.pop_front();
-      slot_op[slot] = it->first;
       op.posted += n;
       ++op.outstanding;
       stats.bytes_written += n;
@@ -493,7 +496,7 @@ struct Pair::Impl {
 
   // One completion. Called with `mu` held.
   void handle(const ibv_wc& wc) {
-    if (wr_generation(wc.wr_id) != (generation & 0xffff)) return;  // before a rebuild
+    if (wr_generation(wc.wr_id) != (generation & kGenerationMask)) return;  // before a rebuild
     const std::uint32_t q = wr_qp(wc.wr_id);
     const WrKind kind = wr_kind(wc.wr_id);
     if (kind != WrKind::recv && q < sq_outstanding.size() && sq_outstanding[q] > 0) {
@@ -506,8 +509,8 @@ struct Pair::Impl {
     }
     switch (kind) {
       case WrKind::data: {
-        const std::uint32_t slot = wr_value(wc.wr_id);
-        auto it = slot < slot_op.size() ? ops.find(slot_op[slot]) : ops.end();
+        // Op ids are unique below 2^40 (more writes than that wrap the lookup).
+        auto it = ops.find(wr_value(wc.wr_id));
         if (it != ops.end() && --it->second.outstanding == 0 && it->second.all_posted) {
           ops.erase(it);
           cv.notify_all();
@@ -682,7 +685,6 @@ struct Pair::Impl {
     remote.mtu = mtu;
     free_remote.clear();
     for (std::uint32_t s = 0; s < r.slot_count; ++s) free_remote.push_back(s);
-    slot_op.assign(r.slot_count, 0);
     // Our headers array has one entry per remote slot.
     if (headers == nullptr || headers->size() < r.slot_count * kHeaderBytes) {
       headers = core->pool->allocate(r.slot_count * kHeaderBytes);
@@ -766,12 +768,21 @@ struct Pair::Impl {
   void wait(std::unique_lock<std::mutex>& lock, Clock::time_point deadline, Done done,
             const std::function<std::string()>& what) {
     constexpr auto kProbeEvery = std::chrono::milliseconds(500);
+    // The waiter polls the completion queue itself for a while (no hand-off
+    // through the progress thread and a condition variable), then sleeps.
+    const auto poll_until = Clock::now() + std::chrono::microseconds(core->options.wait_poll_us);
     while (!done()) {
       if (broken) throw_broken();
       const auto now = Clock::now();
       if (now >= deadline) {
         throw Error(Code::timeout, "verbs connection to " + name() + ": " + what() +
                                        " did not happen before the deadline");
+      }
+      if (now < poll_until) {
+        lock.unlock();
+        poll();
+        lock.lock();
+        continue;
       }
       if (cv.wait_until(lock, std::min(deadline, now + kProbeEvery)) == std::cv_status::timeout) {
         post_probe();
@@ -843,7 +854,11 @@ Chunk Pair::next_chunk(std::optional<std::uint64_t> tag, Clock::time_point deadl
   };
   auto find_or_spill = [&] {
     if (find()) return true;
-    if (tag) p.spill();
+    if (tag) {
+      p.spill();
+    } else {
+      p.pump();  // deferred credits (release) go out before waiting
+    }
     return false;
   };
   p.wait(lock, deadline, find_or_spill, [&] {
@@ -860,7 +875,12 @@ void Pair::release(const Chunk& chunk) {
     return;
   }
   p.give_back(chunk.slot);
-  p.pump();
+  // Credits go back in batches: right away when nothing else waits to be
+  // read (or a quarter of the slots is pending), else with the next batch
+  // (the progress thread's pump, or a reader that finds nothing).
+  std::uint32_t queued = 0;
+  for (const auto& c : p.credits_to_send) queued += c.second;
+  if (p.arrived.empty() || queued >= std::max<std::uint32_t>(1, p.slot_count / 4)) p.pump();
 }
 
 void Pair::receive(std::uint64_t tag, std::span<std::byte> destination,
@@ -957,13 +977,15 @@ struct Device::Impl {
     [[maybe_unused]] ssize_t n = ::write(wake_fd, &one, sizeof one);
   }
 
-  // Busy-polls every pair's CQ; after 50 us without work yields the CPU, and
-  // after 1 ms without work arms the CQs and sleeps on the completion channel
+  // Busy-polls every pair's CQ; after spin_us without work yields the CPU, and
+  // after yield_us without work arms the CQs and sleeps on the completion channel
   // (a verbs event) or the wake descriptor (new pair, stop).
   void progress_loop() {
     std::vector<std::shared_ptr<Pair::Impl>> snapshot;
     std::uint64_t seen = ~0ull;
     auto idle_since = Clock::now();
+    const std::chrono::microseconds spin(core->options.spin_us);
+    const std::chrono::microseconds yield(std::max(core->options.spin_us, core->options.yield_us));
     while (!stop.load(std::memory_order_relaxed)) {
       // A pair whose owner let go is referenced by the snapshot alone: drop it here.
       bool stale = false;
@@ -988,8 +1010,8 @@ struct Device::Impl {
         continue;
       }
       const auto idle = Clock::now() - idle_since;
-      if (idle < std::chrono::microseconds(50)) continue;
-      if (idle < std::chrono::milliseconds(1)) {
+      if (idle < spin) continue;
+      if (idle < yield) {
         sched_yield();
         continue;
       }

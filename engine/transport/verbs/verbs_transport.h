@@ -45,6 +45,12 @@ struct Options {
   std::uint64_t slot_bytes = 512ull << 10;
   std::uint32_t slots_per_peer = 16;
   std::uint32_t mr_cache_entries = 1024;
+  /// Progress thread: busy-poll this long after the last completion, then
+  /// sched_yield() until yield_us, then sleep on the completion channel.
+  std::uint32_t spin_us = 50;
+  std::uint32_t yield_us = 1000;
+  /// A waiting caller polls the completion queue itself this long before sleeping.
+  std::uint32_t wait_poll_us = 0;
 
   static Options from_profile(const config::Profile& profile);
 };
