@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -323,6 +324,84 @@ TEST_CASE("two queue pairs per connection: data striped over both, verified") {
   verbs::Buffer src = s.device->allocate(1 << 20);
   fill(src.data(), src.size(), 11);
   for (std::uint64_t tag = 1; tag <= 6; ++tag) echo_check(s, src, 0, (1 << 20) - tag * 1000, tag);
+}
+
+TEST_CASE("the pool is registered once and bounded; user buffers are registered once and cached") {
+  verbs::Options o = options_from(test_args());
+  o.pool_bytes = 4 << 20;
+  o.mr_cache_entries = 2;
+  auto dev = verbs::Device::open(g_lib, o, "n0", config::VerbsHca{env("RDMA_VM_DEV0", "rxe0"), 1});
+  CHECK(dev->stats().pool_bytes == (4u << 20));
+  {
+    verbs::Buffer a = dev->allocate(3 << 20);
+    CHECK(dev->stats().pool_in_use == (3u << 20));
+    try {
+      dev->allocate(2 << 20);
+      FAIL("allocating past the pool succeeded");
+    } catch (const Error& e) {
+      CHECK(e.code() == Code::resource_exhausted);
+      CHECK(contains(e.what(), "memory.host_pool_bytes"));
+    }
+  }
+  CHECK(dev->stats().pool_in_use == 0);  // blocks return when their last Buffer goes
+  verbs::Buffer b = dev->allocate(4 << 20);  // and coalesce into one range again
+  CHECK(b.size() == (4u << 20));
+
+  std::vector<std::byte> m1(1 << 20), m2(1 << 20), m3(1 << 20);
+  verbs::Buffer r1 = dev->register_memory(m1.data(), m1.size());
+  verbs::Buffer r1_inner = dev->register_memory(m1.data() + 4096, 4096);  // inside: a hit
+  CHECK(r1_inner.lkey() == r1.lkey());
+  CHECK(dev->stats().mr_cache_hits == 1);
+  CHECK(dev->stats().mr_cache_misses == 1);
+  dev->register_memory(m2.data(), m2.size());
+  dev->register_memory(m3.data(), m3.size());  // capacity 2: m1 (least recent) leaves the cache
+  CHECK(dev->stats().mr_cache_entries == 2);
+  dev->register_memory(m1.data(), m1.size());
+  CHECK(dev->stats().mr_cache_misses == 4);
+  dev->invalidate(m1.data(), m1.size());  // the memory is going away: never serve it again
+  dev->register_memory(m1.data(), m1.size());
+  CHECK(dev->stats().mr_cache_misses == 5);
+}
+
+TEST_CASE("a device that is not there, or a port it lacks, is an error naming it") {
+  const verbs::Options o = options_from(test_args());
+  try {
+    verbs::Device::open(g_lib, o, "n0", config::VerbsHca{"mlx5_9", 1});
+    FAIL("opened a missing device");
+  } catch (const Error& e) {
+    CHECK(e.code() == Code::not_found);
+    CHECK(contains(e.what(), "mlx5_9"));
+    CHECK(contains(e.what(), env("RDMA_VM_DEV0", "rxe0")));  // lists what is present
+  }
+  try {
+    verbs::Device::open(g_lib, o, "n0", config::VerbsHca{env("RDMA_VM_DEV0", "rxe0"), 2});
+    FAIL("opened a missing port");
+  } catch (const Error& e) {
+    CHECK(e.code() == Code::not_found);
+    CHECK(contains(e.what(), "no port 2"));
+  }
+  // No HCAs named: every active port is opened.
+  const auto all = verbs::open_devices(g_lib, o, "n0");
+  CHECK(all.size() >= 2);
+}
+
+TEST_CASE("an idle connection costs no CPU: the progress thread sleeps on the completion channel") {
+  Session s;
+  verbs::Buffer src = s.device->allocate(64 * 1024);
+  echo_check(s, src, 0, 60000, 1);
+  std::this_thread::sleep_for(100ms);  // past the busy-poll and yield phases
+  rusage before{};
+  ::getrusage(RUSAGE_SELF, &before);
+  std::this_thread::sleep_for(1s);
+  rusage after{};
+  ::getrusage(RUSAGE_SELF, &after);
+  auto us = [](const rusage& r) {
+    return (r.ru_utime.tv_sec + r.ru_stime.tv_sec) * 1000000L + r.ru_utime.tv_usec + r.ru_stime.tv_usec;
+  };
+  const long used = us(after) - us(before);
+  MESSAGE("CPU used by this process in 1 s idle: " << used << " us");
+  CHECK(used < 50000);  // a spinning thread would use ~1 s
+  echo_check(s, src, 0, 60000, 2);  // and it wakes up for the next completion
 }
 
 int main(int argc, char** argv) {

@@ -116,6 +116,16 @@ void MrCache::invalidate(void* addr, std::size_t length) {
   lru_.remove_if([&](const Entry& e) { return e.begin < end && begin < e.end; });
 }
 
+std::uint64_t MrCache::hits() const {
+  std::lock_guard lock(mutex_);
+  return hits_;
+}
+
+std::uint64_t MrCache::misses() const {
+  std::lock_guard lock(mutex_);
+  return misses_;
+}
+
 std::size_t MrCache::size() const {
   std::lock_guard lock(mutex_);
   return lru_.size();

@@ -75,8 +75,8 @@ class MrCache {
   /// Drops every cached region overlapping [addr, addr + length).
   void invalidate(void* addr, std::size_t length);
   std::size_t size() const;
-  std::uint64_t hits() const { return hits_; }
-  std::uint64_t misses() const { return misses_; }
+  std::uint64_t hits() const;
+  std::uint64_t misses() const;
 
  private:
   struct Entry {

@@ -1023,7 +1023,8 @@ struct Device::Impl {
         continue;
       }
       pollfd fds[2] = {{core->channel->fd(), POLLIN, 0}, {wake_fd, POLLIN, 0}};
-      ::poll(fds, 2, 100);
+      // The wake descriptor covers stop and new pairs; the timeout is a safety net.
+      const int ready = ::poll(fds, 2, 1000);
       // Read and acknowledge every event now (ibv_destroy_cq waits for read events to be acked).
       ibv_cq* cq = nullptr;
       void* user = nullptr;
@@ -1033,8 +1034,9 @@ struct Device::Impl {
       std::uint64_t v = 0;
       while (::read(wake_fd, &v, sizeof v) > 0) {
       }
-      // After a wake-up, busy-poll again from the start.
-      idle_since = Clock::now();
+      // After a wake-up, busy-poll again from the start (not after the timeout:
+      // an idle device goes straight back to sleep).
+      if (ready > 0) idle_since = Clock::now();
     }
   }
 
@@ -1207,6 +1209,17 @@ std::string Device::describe() const {
 
 const std::string& Device::name() const { return impl_->core->ctx->name(); }
 std::uint32_t Device::port() const { return impl_->core->port; }
+
+DeviceStats Device::stats() const {
+  const Core& c = *impl_->core;
+  DeviceStats s;
+  s.pool_bytes = c.pool->capacity();
+  s.pool_in_use = c.pool->in_use();
+  s.mr_cache_entries = c.mr_cache->size();
+  s.mr_cache_hits = c.mr_cache->hits();
+  s.mr_cache_misses = c.mr_cache->misses();
+  return s;
+}
 
 std::vector<std::unique_ptr<Device>> open_devices(std::shared_ptr<const IbverbsLibrary> lib,
                                                   const Options& options,

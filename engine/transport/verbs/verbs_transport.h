@@ -167,6 +167,14 @@ class Pair {
   std::shared_ptr<Impl> impl_;
 };
 
+struct DeviceStats {
+  std::uint64_t pool_bytes = 0;         ///< registered once at open
+  std::uint64_t pool_in_use = 0;
+  std::uint64_t mr_cache_entries = 0;
+  std::uint64_t mr_cache_hits = 0;
+  std::uint64_t mr_cache_misses = 0;    ///< registrations made
+};
+
 /// One opened HCA port with its protection domain, registered pool, MR cache,
 /// completion channel and progress thread.
 class Device {
@@ -196,6 +204,7 @@ class Device {
   std::string describe() const;
   const std::string& name() const;
   std::uint32_t port() const;
+  DeviceStats stats() const;
 
   struct Impl;
 
