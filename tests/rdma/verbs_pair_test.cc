@@ -7,10 +7,14 @@
 
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -18,6 +22,7 @@
 
 #include "engine/transport/verbs/devices.h"
 #include "engine/transport/verbs/ibverbs_library.h"
+#include "engine/transport/verbs/verbs_node_transport.h"
 #include "engine/transport/verbs/verbs_transport.h"
 #include "ipc/error.h"
 #include "tests/rdma/common.h"
@@ -402,6 +407,87 @@ TEST_CASE("an idle connection costs no CPU: the progress thread sleeps on the co
   MESSAGE("CPU used by this process in 1 s idle: " << used << " us");
   CHECK(used < 50000);  // a spinning thread would use ~1 s
   echo_check(s, src, 0, 60000, 2);  // and it wakes up for the next completion
+}
+
+TEST_CASE("the engine's NodeTransport over verbs: ordered whole messages both ways, done, down") {
+  // Both ends in this process: n0 on rxe0, n1 on rxe1, exchanging parameters over a socketpair.
+  const verbs::Options o = options_from(test_args());
+  auto d0 = verbs::Device::open(g_lib, o, "n0", config::VerbsHca{env("RDMA_VM_DEV0", "rxe0"), 1});
+  auto d1 = verbs::Device::open(g_lib, o, "n1", config::VerbsHca{env("RDMA_VM_DEV1", "rxe1"), 1});
+  int sv[2];
+  REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+  SocketChannel c0(UniqueFd(sv[0]), "n1");
+  SocketChannel c1(UniqueFd(sv[1]), "n0");
+  std::unique_ptr<verbs::Pair> p1;
+  std::thread t([&] { p1 = d1->connect(c1, "n0", Clock::now() + 60s); });
+  std::unique_ptr<verbs::Pair> p0 = d0->connect(c0, "n1", Clock::now() + 60s);
+  t.join();
+  verbs::Pair* raw0 = p0.get();
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::vector<std::byte>> at1, at0;
+  std::vector<std::string> downs;
+  auto deliver_to = [&](std::vector<std::vector<std::byte>>& box) {
+    return [&](const std::string&, std::vector<std::byte> m) {
+      std::lock_guard lock(mu);
+      box.push_back(std::move(m));
+      cv.notify_all();
+    };
+  };
+  auto down = [&](const std::string& address, const std::string& node, const std::string& why) {
+    std::lock_guard lock(mu);
+    downs.push_back(address + " " + node + " " + why);
+    cv.notify_all();
+  };
+  verbs::VerbsNodeTransport n0(*d0, nullptr, deliver_to(at0), down, 60s);
+  verbs::VerbsNodeTransport n1(*d1, nullptr, deliver_to(at1), down, 60s);
+  n0.add_pair("10.99.0.2:7000", std::move(p0));
+  n1.add_pair("10.99.0.1:7000", std::move(p1));
+
+  // 60 messages each way, 0 B .. ~300 KiB (several slots), contents by index.
+  auto message = [](int i, int side) {
+    std::vector<std::byte> m(static_cast<std::size_t>((i * 7919) % (300 * 1024)));
+    fill(m.data(), m.size(), static_cast<std::uint64_t>(i * 2 + side));
+    return m;
+  };
+  std::atomic<int> ok{0};
+  for (int i = 0; i < 60; ++i) {
+    n0.send("10.99.0.2:7000", message(i, 0), [&](Code c, const std::string&) { ok += c == Code::ok; });
+    n1.send("10.99.0.1:7000", message(i, 1), [&](Code c, const std::string&) { ok += c == Code::ok; });
+  }
+  {
+    std::unique_lock lock(mu);
+    REQUIRE(cv.wait_for(lock, 120s, [&] { return at1.size() == 60 && at0.size() == 60; }));
+  }
+  for (int i = 0; i < 60; ++i) {
+    CHECK_MESSAGE(at1[i] == message(i, 0), "message " << i << " n0 -> n1, in order");
+    CHECK_MESSAGE(at0[i] == message(i, 1), "message " << i << " n1 -> n0, in order");
+  }
+  for (int i = 0; i < 100 && ok < 120; ++i) std::this_thread::sleep_for(50ms);
+  CHECK(ok == 120);
+
+  // Unknown address and no connector: the done callback says so.
+  std::atomic<int> unavailable{0};
+  n0.send("10.99.0.9:7000", {}, [&](Code c, const std::string& m) {
+    unavailable += c == Code::unavailable && contains(m, "10.99.0.9:7000");
+  });
+
+  // A broken pair: down is reported once, naming the node; sends fail with the error.
+  raw0->force_error();
+  {
+    std::unique_lock lock(mu);
+    REQUIRE(cv.wait_for(lock, 60s, [&] { return !downs.empty(); }));
+    CHECK(contains(downs.front(), "10.99.0.2:7000 n1 verbs connection to node n1"));
+  }
+  std::atomic<int> failed{0};
+  n0.send("10.99.0.2:7000", message(1, 0), [&](Code c, const std::string& m) {
+    failed += c != Code::ok && contains(m, "node n1");
+  });
+  for (int i = 0; i < 100 && (failed == 0 || unavailable == 0); ++i) std::this_thread::sleep_for(50ms);
+  CHECK(failed == 1);
+  CHECK(unavailable == 1);
+  CHECK(!n0.connected("10.99.0.2:7000"));
 }
 
 int main(int argc, char** argv) {
