@@ -895,7 +895,7 @@ void Pair::receive(std::uint64_t tag, std::span<std::byte> destination,
                                       " bytes, the receiver expects " +
                                       std::to_string(destination.size()));
     }
-    std::memcpy(destination.data() + c.offset, c.data.data(), c.data.size());
+    if (!c.data.empty()) std::memcpy(destination.data() + c.offset, c.data.data(), c.data.size());
     got += c.data.size();
     release(c);
   } while (got < destination.size());
