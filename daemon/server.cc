@@ -104,7 +104,7 @@ Server::Server(config::Profile profile, ProfileSource source, engine::Logger& lo
       watchdog_timer_(io_),
       shutdown_timer_(io_),
       sweep_timer_(io_),
-      peers_(io_, peer_options(profile_, kVersion), log_),
+      peers_(io_, tcp::peer_options(profile_, kVersion), log_),
       started_(std::chrono::steady_clock::now()) {
   engine_.set_node_algorithms(node_algorithms(profile_));
 }
@@ -319,7 +319,7 @@ void Server::fill_status(wire::StatusReply::Builder s) {
   s.setOperationsInFlight(es.in_flight);
   s.setOperationsCompleted(es.completed);
   s.setLogLevel(std::string(config::to_string(log_.level())).c_str());
-  fill_peer_status(peers_, s);
+  tcp::fill_peer_status(peers_, s);
 }
 
 void Server::wait_signal() {
