@@ -1099,7 +1099,7 @@ std::unique_ptr<Device> Device::open(std::shared_ptr<const IbverbsLibrary> lib,
   const PortInfo port = query_port_info(f, core->ctx->get(), hca->name, hca->port);
   if (!port.active) {
     throw Error(Code::unavailable, "RDMA port " + core->where() + " is " + port.state +
-                                       ", not PORT_ACTIVE (cable, switch or subnet manager)");
+                                       ", not active (cable, switch or subnet manager)");
   }
   core->ethernet = port.link_layer == "Ethernet";
   core->lid = port.lid;
