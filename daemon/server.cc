@@ -52,7 +52,10 @@ engine::NodeAlgorithmOptions node_algorithms(const config::Profile& p) {
   engine::NodeAlgorithmOptions o;
   o.algorithm = p.collectives.algorithm;
   o.direct_max_bytes = p.collectives.direct_max_bytes;
-  o.chunk_bytes = p.tcp.chunk_bytes;
+  // A transfer chunk plus its engine header must fit one TCP chunk: a message
+  // one header over tcp.chunk_bytes would travel as two frames and be
+  // reassembled (a zero-fill and a copy more) on the other side.
+  o.chunk_bytes = p.tcp.chunk_bytes > 8192 ? p.tcp.chunk_bytes - 4096 : p.tcp.chunk_bytes / 2;
   return o;
 }
 
@@ -104,7 +107,7 @@ Server::Server(config::Profile profile, ProfileSource source, engine::Logger& lo
       watchdog_timer_(io_),
       shutdown_timer_(io_),
       sweep_timer_(io_),
-      peers_(io_, peer_options(profile_, kVersion), log_),
+      peers_(io_, tcp::peer_options(profile_, kVersion), log_),
       started_(std::chrono::steady_clock::now()) {
   engine_.set_node_algorithms(node_algorithms(profile_));
 }
@@ -319,7 +322,7 @@ void Server::fill_status(wire::StatusReply::Builder s) {
   s.setOperationsInFlight(es.in_flight);
   s.setOperationsCompleted(es.completed);
   s.setLogLevel(std::string(config::to_string(log_.level())).c_str());
-  fill_peer_status(peers_, s);
+  tcp::fill_peer_status(peers_, s);
 }
 
 void Server::wait_signal() {
