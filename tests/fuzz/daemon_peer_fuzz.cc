@@ -19,7 +19,7 @@
 #include <span>
 #include <vector>
 
-#include "daemon/peer_auth.h"
+#include "engine/transport/tcp/peer_auth.h"
 #include "ipc/frame.h"
 #include "tests/fuzz/inproc_daemon.h"
 
@@ -47,15 +47,15 @@ std::unique_ptr<ipc::IncomingFrame> read_frame(int fd, ipc::FrameDecoder& decode
 
 // The honest initiator's side of daemon/peer_auth.h, over the socket.
 bool authenticate(int fd, const fuzz::InprocDaemon& d) {
-  daemon::Secret secret(std::vector<std::byte>(reinterpret_cast<const std::byte*>(d.secret.data()),
+  tcp::Secret secret(std::vector<std::byte>(reinterpret_cast<const std::byte*>(d.secret.data()),
                                                reinterpret_cast<const std::byte*>(d.secret.data()) +
                                                    d.secret.size()));
-  daemon::PeerIdentity me;
+  tcp::PeerIdentity me;
   me.protocol_version = peerwire::PEER_PROTOCOL_VERSION;
   me.node = "fuzzer";
   me.listen_address = "";  // accepts no peers: the daemon never dials back
   me.daemon_version = "fuzz";
-  daemon::Handshake hs(secret, me, daemon::random_u64(), 0, 1,
+  tcp::Handshake hs(secret, me, tcp::random_u64(), 0, 1,
                        "127.0.0.1:" + std::to_string(d.peer_port));
   ipc::FrameDecoder decoder(ipc::Limits::for_max_frame(64 * 1024));
   auto send = [&](const std::vector<std::vector<std::byte>>& frames) {
@@ -65,12 +65,12 @@ bool authenticate(int fd, const fuzz::InprocDaemon& d) {
     return true;
   };
   if (!send(hs.start())) return false;
-  while (hs.state() == daemon::Handshake::State::in_progress) {
+  while (hs.state() == tcp::Handshake::State::in_progress) {
     auto frame = read_frame(fd, decoder);
     if (!frame) return false;
     if (!send(hs.on_message(frame->root<peerwire::PeerMessage>()))) return false;
   }
-  if (hs.state() != daemon::Handshake::State::done) {
+  if (hs.state() != tcp::Handshake::State::done) {
     std::fprintf(stderr, "honest handshake failed: %s\n", hs.error().c_str());
     std::abort();
   }

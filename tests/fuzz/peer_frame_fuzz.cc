@@ -18,17 +18,17 @@
 #include <span>
 #include <vector>
 
-#include "daemon/peer_auth.h"
+#include "engine/transport/tcp/peer_auth.h"
 #include "ipc/error.h"
 #include "ipc/frame.h"
 
 using namespace collectived;
-using daemon::Handshake;
+using tcp::Handshake;
 
 namespace {
 
-daemon::PeerIdentity identity() {
-  daemon::PeerIdentity id;
+tcp::PeerIdentity identity() {
+  tcp::PeerIdentity id;
   id.protocol_version = peerwire::PEER_PROTOCOL_VERSION;
   id.node = "fuzz-node";
   id.listen_address = "127.0.0.1:47600";
@@ -36,8 +36,8 @@ daemon::PeerIdentity identity() {
   return id;
 }
 
-const daemon::Secret& secret() {
-  static const daemon::Secret s(std::vector<std::byte>(32, std::byte{0x5a}));
+const tcp::Secret& secret() {
+  static const tcp::Secret s(std::vector<std::byte>(32, std::byte{0x5a}));
   return s;
 }
 
