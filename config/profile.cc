@@ -364,6 +364,12 @@ constexpr std::array<EnumName<LogLevel>, 5> kLogLevels{{
     {"error", LogLevel::error},
 }};
 
+constexpr std::array<EnumName<std::string_view>, 3> kMpsModes{{
+    {"managed", "managed"},
+    {"external", "external"},
+    {"off", "off"},
+}};
+
 std::vector<TransportKind> as_transports(const YAML::Node& node, const Context& ctx) {
   std::vector<TransportKind> out;
   for_each_item(node, ctx, [&](const YAML::Node& item, const Context& c) {
@@ -526,6 +532,10 @@ constexpr std::array kSchema{
         [](E e, P p) { e << p.verbs.retry_count; }, "transport retries"},
     Key{"verbs.timeout", [](N n, Profile& p, C c) { p.verbs.timeout = as_uint(n, c, 0, 31); },
         [](E e, P p) { e << p.verbs.timeout; }, "local ACK timeout exponent"},
+
+    Key{"gpu.mps",
+        [](N n, Profile& p, C c) { p.gpu.mps = as_enum<std::string_view>(n, c, kMpsModes); },
+        [](E e, P p) { e << p.gpu.mps; }, "CUDA MPS: managed, external or off"},
 
     Key{"log.level",
         [](N n, Profile& p, C c) { p.log.level = as_enum<LogLevel>(n, c, kLogLevels); },

@@ -106,6 +106,10 @@ struct LogSection {
   LogLevel level = LogLevel::info;
 };
 
+struct GpuSection {
+  std::string mps = "off";  ///< managed | external | off (engine/gpu/mps.h)
+};
+
 /// The whole node profile.
 struct Profile {
   NodeSection node;
@@ -118,6 +122,7 @@ struct Profile {
   TcpSection tcp;
   VerbsSection verbs;
   LogSection log;
+  GpuSection gpu;
 };
 
 /// The embedded default profile's text (the annotated systemd/collectived.yaml).
