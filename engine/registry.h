@@ -17,6 +17,9 @@ class DeviceMemory {
  public:
   virtual ~DeviceMemory() = default;
   virtual std::byte* data() const = 0;  ///< device address in the daemon (UVA)
+  /// The same memory as GPU `device` reaches it (an allocation opened through
+  /// a legacy IPC handle is mapped per accessing GPU). Thread-safe.
+  virtual std::byte* data_on(int device) const { (void)device; return data(); }
   virtual std::uint64_t size() const = 0;
   virtual int device() const = 0;       ///< the daemon's ordinal of the GPU holding it
   virtual std::uint64_t buffer_id() const = 0;  ///< the client's buffer id at registration

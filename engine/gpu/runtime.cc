@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -70,14 +71,41 @@ class Mapping {
   std::byte* ptr = nullptr;
   std::uint64_t size = 0;
   int device = 0;
+  virtual std::byte* ptr_on(int dev) { (void)dev; return ptr; }
 };
 
+// A legacy IPC handle maps the memory into the address space of the context
+// that opens it (the peer mapping of the owning GPU does not cover other
+// GPUs' contexts), so it is opened once per GPU that runs kernels on it.
 class LegacyIpcMapping final : public Mapping {
  public:
+  cudaIpcMemHandle_t handle{};
   ~LegacyIpcMapping() override {
-    cudaSetDevice(device);
-    cudaIpcCloseMemHandle(ptr);
+    for (auto& [dev, p] : opened_) {
+      cudaSetDevice(dev);
+      cudaIpcCloseMemHandle(p);
+    }
   }
+  void open_first() {
+    ptr = open_on(device);
+  }
+  std::byte* ptr_on(int dev) override {
+    std::lock_guard lock(mu_);
+    auto it = opened_.find(dev);
+    return it != opened_.end() ? it->second : open_on(dev);
+  }
+
+ private:
+  std::byte* open_on(int dev) {
+    cudaSetDevice(dev);
+    void* p = nullptr;
+    check_rt(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess),
+             "cudaMalloc memory: cudaIpcOpenMemHandle on GPU " + std::to_string(dev));
+    opened_[dev] = static_cast<std::byte*>(p);
+    return static_cast<std::byte*>(p);
+  }
+  std::mutex mu_;
+  std::map<int, std::byte*> opened_;
 };
 
 class VmmMapping final : public Mapping {
@@ -112,6 +140,7 @@ class Registered final : public DeviceMemory {
  public:
   Registered(std::shared_ptr<Mapping> m, std::uint64_t id) : m_(std::move(m)), id_(id) {}
   std::byte* data() const override { return m_->ptr; }
+  std::byte* data_on(int dev) const override { return m_->ptr_on(dev); }
   std::uint64_t size() const override { return m_->size; }
   int device() const override { return m_->device; }
   std::uint64_t buffer_id() const override { return id_; }
@@ -126,6 +155,7 @@ class Registered final : public DeviceMemory {
 struct FlagPage {
   HostMapping mapping;
   bool registered = false;
+  cu::DevicePtr device = 0;  // the page as the GPUs address it
   ~FlagPage() {
     if (registered) cudaHostUnregister(mapping.data());
   }
@@ -259,6 +289,10 @@ class CudaExecutor final : public GpuExecutor {
                               cudaHostRegisterPortable | cudaHostRegisterMapped),
              "cudaHostRegister of the client's flag page");
     page->registered = true;
+    void* dptr = nullptr;
+    check_rt(cudaHostGetDevicePointer(&dptr, page->mapping.data(), 0),
+             "cudaHostGetDevicePointer of the client's flag page");
+    page->device = reinterpret_cast<cu::DevicePtr>(dptr);
     std::lock_guard lock(mu_);
     sessions_[session].flags = std::move(page);
   }
@@ -364,11 +398,13 @@ class CudaExecutor final : public GpuExecutor {
                  "cudaStreamWaitEvent on rank " + std::to_string(r) + "'s event");
       }
     }
+    debug_sync(exec, stream_of, "waiting for the ranks' events");
     // 2. The work, each executing GPU its share.
     for (std::size_t i = 0; i < exec.size(); ++i) {
       cudaSetDevice(exec[i]);
       enqueue_work(op, rank_dev, exec, i, stream_of(exec[i]));
     }
+    debug_sync(exec, stream_of, "the kernels");
     // 3. Join on the lead, release every rank's stream, and let the other
     //    streams wait for the join (the next operation starts after this one).
     const int lead = exec.front();
@@ -382,12 +418,13 @@ class CudaExecutor final : public GpuExecutor {
     }
     for (int r = 0; r < n; ++r) {
       auto* s = static_cast<Sync*>(op.sync[r].get());
-      const auto word = reinterpret_cast<cu::DevicePtr>(s->flags->word(s->word));
+      const cu::DevicePtr word = s->flags->device + 4 * static_cast<cu::DevicePtr>(s->word);
       cu_->check(cu_->cuStreamWriteValue32(reinterpret_cast<cu::Stream>(stream_of(lead)),
                                            word, s->ticket, cu::kStreamWriteValueDefault),
                  "cuStreamWriteValue32 (release rank " + std::to_string(r) + "'s stream)");
       s->released = true;
     }
+    debug_sync(exec, stream_of, "the join and the flag writes");
     cudaEvent_t joined = take_event(lead);
     check_rt(cudaEventRecord(joined, stream_of(lead)), "cudaEventRecord");
     p.tails.emplace_back(lead, joined);
@@ -404,6 +441,22 @@ class CudaExecutor final : public GpuExecutor {
   }
 
  private:
+  /// COLLECTIVED_GPU_DEBUG_SYNC=1: synchronize after each step of an operation
+  /// and name the step that failed (diagnosis only: it blocks).
+  template <typename StreamOf>
+  void debug_sync(const std::vector<int>& exec, StreamOf&& stream_of, const char* step) {
+    if (!debug_sync_) return;
+    for (int dev : exec) {
+      cudaSetDevice(dev);
+      const cudaError_t e = cudaStreamSynchronize(stream_of(dev));
+      if (e != cudaSuccess) {
+        log_.error("gpu_debug_sync", {{"step", step}, {"device", dev}, {"error", cudaGetErrorString(e)}});
+        check_rt(e, std::string("GPU ") + std::to_string(dev) + ": " + step);
+      }
+    }
+    log_.info("gpu_debug_sync", {{"step", step}, {"ok", 1}});
+  }
+
   void require() const {
     if (!status_.available) throw Error(Code::unavailable, status_.reason);
   }
@@ -472,15 +525,10 @@ class CudaExecutor final : public GpuExecutor {
       return m;
     }
     auto m = std::make_shared<LegacyIpcMapping>();
-    cudaIpcMemHandle_t h;
-    std::memcpy(&h, a.handle.data(), sizeof h);
-    cudaSetDevice(dev);
-    void* p = nullptr;
-    check_rt(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
-             "cudaMalloc memory: cudaIpcOpenMemHandle");
-    m->ptr = static_cast<std::byte*>(p);
+    std::memcpy(&m->handle, a.handle.data(), sizeof m->handle);
     m->size = a.size;
     m->device = dev;
+    m->open_first();
     slot = m;
     // Drop cache entries of closed mappings now and then.
     if (legacy_cache_.size() > 1024) {
@@ -572,6 +620,16 @@ class CudaExecutor final : public GpuExecutor {
     };
     // Copies: split GPUs write their own ranks' outputs (reading peers over NVLink).
     auto mine = [&](int r) { return !split || rank_dev[r] == dev; };
+    // Every span as this GPU addresses it.
+    std::vector<std::byte*> send(n, nullptr), recv(n, nullptr);
+    for (int r = 0; r < n; ++r) {
+      auto at = [&](const Span& sp) -> std::byte* {
+        if (!sp.reg) return nullptr;
+        return sp.reg->device->data_on(dev) + (sp.ptr - sp.reg->device->data());
+      };
+      send[r] = at(op.send[r]);
+      recv[r] = at(op.recv[r]);
+    }
     auto reduce = [&](std::vector<const std::byte*> srcs, std::vector<std::byte*> dsts,
                       std::uint64_t count) {
       auto [lo, hi] = share(count);
@@ -597,16 +655,16 @@ class CudaExecutor final : public GpuExecutor {
         std::vector<const std::byte*> srcs;
         std::vector<std::byte*> dsts;
         for (int r = 0; r < n; ++r) {
-          srcs.push_back(op.send[r].ptr);
-          dsts.push_back(op.recv[r].ptr);
+          srcs.push_back(send[r]);
+          dsts.push_back(recv[r]);
         }
         reduce(srcs, dsts, op.count);
         break;
       }
       case OpKind::reduce: {
         std::vector<const std::byte*> srcs;
-        for (int r = 0; r < n; ++r) srcs.push_back(op.send[r].ptr);
-        reduce(srcs, {op.recv[op.root].ptr}, op.count);
+        for (int r = 0; r < n; ++r) srcs.push_back(send[r]);
+        reduce(srcs, {recv[op.root]}, op.count);
         break;
       }
       case OpKind::reduce_scatter: {
@@ -615,8 +673,8 @@ class CudaExecutor final : public GpuExecutor {
         // within each launch.
         for (int j = 0; j < n; ++j) {
           std::vector<const std::byte*> srcs;
-          for (int r = 0; r < n; ++r) srcs.push_back(op.send[r].ptr + j * one);
-          reduce(srcs, {op.recv[j].ptr}, op.count);
+          for (int r = 0; r < n; ++r) srcs.push_back(send[r] + j * one);
+          reduce(srcs, {recv[j]}, op.count);
         }
         break;
       }
@@ -624,22 +682,22 @@ class CudaExecutor final : public GpuExecutor {
         for (int r = 0; r < n; ++r) {
           if (!mine(r)) continue;
           for (int j = 0; j < n; ++j) {
-            std::byte* dst = op.recv[r].ptr + j * one;
-            if (dst != op.send[j].ptr) pairs.emplace_back(op.send[j].ptr, dst);
+            std::byte* dst = recv[r] + j * one;
+            if (dst != send[j]) pairs.emplace_back(send[j], dst);
           }
         }
         break;
       case OpKind::broadcast:
         for (int r = 0; r < n; ++r) {
           if (!mine(r)) continue;
-          if (op.recv[r].ptr != op.send[op.root].ptr) pairs.emplace_back(op.send[op.root].ptr, op.recv[r].ptr);
+          if (recv[r] != send[op.root]) pairs.emplace_back(send[op.root], recv[r]);
         }
         break;
       case OpKind::all_to_all:
         for (int r = 0; r < n; ++r) {
           if (!mine(r)) continue;
           for (int j = 0; j < n; ++j) {
-            pairs.emplace_back(op.send[j].ptr + r * one, op.recv[r].ptr + j * one);
+            pairs.emplace_back(send[j] + r * one, recv[r] + j * one);
           }
         }
         break;
@@ -690,6 +748,7 @@ class CudaExecutor final : public GpuExecutor {
   }
 
   Logger& log_;
+  const bool debug_sync_ = std::getenv("COLLECTIVED_GPU_DEBUG_SYNC") != nullptr;
   std::shared_ptr<CudaDriver> cu_;  // mappings hold it too: they may outlive the executor
   std::unique_ptr<MpsControl> mps_;
   mutable std::mutex mu_;

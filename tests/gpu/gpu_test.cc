@@ -9,6 +9,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -35,16 +36,37 @@ namespace {
 int g_gpus = 0;            // GPUs this test process sees (0: none)
 std::string g_no_gpu_why;  // why not
 
+/// Counted in a child process: CUDA does not survive fork(), and the ranks
+/// are forked children of this process.
 int gpu_count() {
-  try {
-    auto d = CudaDriver::load();
+  int pipefd[2];
+  if (::pipe(pipefd) != 0) return 0;
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(pipefd[0]);
+    std::string msg;
     int n = 0;
-    if (d->cuDeviceGetCount(&n) != cu::kSuccess) return 0;
-    return n;
-  } catch (const std::exception& e) {
-    g_no_gpu_why = e.what();
-    return 0;
+    try {
+      auto d = CudaDriver::load();
+      if (d->cuDeviceGetCount(&n) != cu::kSuccess) n = 0;
+    } catch (const std::exception& e) {
+      msg = e.what();
+    }
+    msg = std::to_string(n) + " " + msg;
+    [[maybe_unused]] auto w = ::write(pipefd[1], msg.data(), msg.size());
+    std::_Exit(0);
   }
+  ::close(pipefd[1]);
+  std::string out;
+  char buf[512];
+  for (ssize_t k; (k = ::read(pipefd[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<std::size_t>(k));
+  ::close(pipefd[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  const auto sp = out.find(' ');
+  if (sp == std::string::npos) return 0;
+  g_no_gpu_why = out.substr(sp + 1);
+  return std::atoi(out.c_str());
 }
 
 /// One rank in a child process: driver, context on `device`, stream, client, comm.
@@ -123,7 +145,6 @@ const char* kind_name(Kind k) {
   }
   return "?";
 }
-bool reducing(Kind k) { return k == Kind::all_reduce || k == Kind::reduce || k == Kind::reduce_scatter; }
 
 /// Runs one case on this rank: uploads inputs, runs the op (out of place, then
 /// in place where the op has a layout for it), downloads, compares with the
@@ -238,10 +259,16 @@ void with_ranks(Daemon& d, int n, int gpus, const std::function<int(GpuRank&)>& 
       }
     }));
   }
+  bool failed = false;
   for (auto& k : kids) {
     auto st = k->wait(timeout);
     CHECK(st.exited);
     CHECK(st.code == 0);
+    failed = failed || !st.exited || st.code != 0;
+  }
+  if (failed) {
+    const std::string log = d.log();
+    MESSAGE("daemon log (tail):\n" << log.substr(log.size() > 4000 ? log.size() - 4000 : 0));
   }
 }
 
@@ -253,8 +280,8 @@ const engine::RedOp kAllOps[] = {engine::RedOp::sum, engine::RedOp::prod, engine
                                  engine::RedOp::max, engine::RedOp::avg};
 
 void matrix(int gpus) {
-  Daemon d;
-  with_ranks(d, 2, gpus, [](GpuRank& g) {
+  Daemon daemon;
+  with_ranks(daemon, 2, gpus, [](GpuRank& g) {
     long wrong = 0;
     std::string first;
     std::uint64_t salt = 1;
@@ -262,21 +289,21 @@ void matrix(int gpus) {
     // (the work is then split over the GPUs).
     for (std::size_t count : {std::size_t{1}, std::size_t{1001}, std::size_t{300000}}) {
       for (Kind k : {Kind::all_reduce, Kind::reduce_scatter, Kind::reduce}) {
-        for (auto d : kAllTypes) {
+        for (auto dt : kAllTypes) {
           for (auto op : kAllOps) {
             for (bool ip : {false, true}) {
               if (k == Kind::reduce && ip) continue;
-              wrong += run_case(g, k, d, op, count, count % 2, ip, salt++, first);
+              wrong += run_case(g, k, dt, op, count, count % 2, ip, salt++, first);
             }
           }
         }
       }
       for (Kind k : {Kind::all_gather, Kind::broadcast, Kind::all_to_all}) {
-        for (auto d : {engine::DType::int8, engine::DType::bfloat16, engine::DType::float64}) {
+        for (auto dt : {engine::DType::int8, engine::DType::bfloat16, engine::DType::float64}) {
           for (bool ip : {false, true}) {
             if (k == Kind::all_to_all && ip) continue;
             for (int root = 0; root < (k == Kind::broadcast ? g.nranks : 1); ++root) {
-              wrong += run_case(g, k, d, engine::RedOp::sum, count, root, ip, salt++, first);
+              wrong += run_case(g, k, dt, engine::RedOp::sum, count, root, ip, salt++, first);
             }
           }
         }
