@@ -5,12 +5,14 @@
 // Only the CUDA driver API is used, loaded at run time (engine/gpu/cuda_driver.h):
 // libcollective needs no CUDA toolkit to build and no driver to load.
 #include <fcntl.h>
+#include <poll.h>
 #include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
+#include <thread>
 #include <vector>
 
 #include "client/client_internal.h"
@@ -60,6 +62,29 @@ struct GpuState {
   std::uint32_t next_event_id = 1;
   std::map<cu::Context, std::vector<PooledEvent>> events;
   std::map<std::uintptr_t, GpuRegistration> regs;  // by allocation base
+  std::mutex tickets_mu;  // tickets[] between submitters and the watchdog
+  std::atomic<bool> stop{false};
+  std::thread watchdog;
+
+  /// If the daemon dies, nothing writes the flag words any more: release every
+  /// stream still waiting, so that the application's GPU never hangs on us
+  /// (its operations then fail with the connection's error).
+  void watch(int fd) {
+    watchdog = std::thread([this, fd] {
+      while (!stop.load()) {
+        pollfd p{fd, POLLRDHUP, 0};
+        const int r = ::poll(&p, 1, 200);
+        if (r > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0) {
+          release_all();
+          return;
+        }
+      }
+    });
+  }
+  void release_all() {
+    std::lock_guard lock(tickets_mu);
+    for (std::uint32_t w = 0; w < kFlagWords; ++w) release(w, tickets[w]);
+  }
 
   std::atomic<std::uint32_t>* word(std::uint32_t w) const {
     return reinterpret_cast<std::atomic<std::uint32_t>*>(flags) + w;
@@ -77,10 +102,12 @@ struct GpuState {
   }
 
   ~GpuState() {
+    stop = true;
+    if (watchdog.joinable()) watchdog.join();
     if (flags == nullptr) return;
     // Nothing will write these words any more: release every stream still
     // waiting, so that a disconnect never leaves the application's GPU stuck.
-    for (std::uint32_t w = 0; w < kFlagWords; ++w) release(w, tickets[w]);
+    release_all();
     for (auto& [ctx, pool] : events) {
       for (auto& e : pool) cu->cuEventDestroy(e.event);
     }
@@ -120,6 +147,7 @@ std::shared_ptr<GpuState> gpu_state(collective_client_t* client) {
   b.initRoot<wire::Message>().initAttachGpu().setBytes(bytes);
   const int fds[1] = {fd.get()};
   client->conn->call(b, fds, Clock::now() + kControlTimeout);
+  s->watch(client->conn->socket_fd());
   client->gpu = s;
   return s;
 }
@@ -281,7 +309,10 @@ class StreamSubmit final : public GpuSubmit {
     // A flag word whose previous operation is done (4096 in flight at most).
     word_ = static_cast<std::uint32_t>(s.next_word++ % kFlagWords);
     while (!s.reached(word_, s.tickets[word_])) sched_yield();
-    ticket_ = ++s.tickets[word_];
+    {
+      std::lock_guard tl(s.tickets_mu);
+      ticket_ = ++s.tickets[word_];
+    }
     PooledEvent& ev = event(ctx);
     cu.check(cu.cuEventRecord(ev.event, stream_), "cuEventRecord on the caller's stream");
     ev.used = true;

@@ -389,13 +389,32 @@ class CudaExecutor final : public GpuExecutor {
     };
     auto stream_of = [&](int dev) { return devices_[dev].streams[slot]; };
     const std::vector<int> exec = one_shot ? std::vector<int>{devs.front()} : devs;
-    // 1. Every executing stream waits for every rank's producer work.
-    for (int dev : exec) {
-      cudaSetDevice(dev);
-      for (int r = 0; r < n; ++r) {
-        auto* s = static_cast<Sync*>(op.sync[r].get());
-        check_rt(cudaStreamWaitEvent(stream_of(dev), s->event->event, 0),
-                 "cudaStreamWaitEvent on rank " + std::to_string(r) + "'s event");
+    // 1. Every executing stream waits for every rank's producer work. The
+    //    clients' events are opened in the first GPU's context, and only a
+    //    stream of that GPU waits on them (the driver crashed, SIGSEGV in
+    //    cuStreamWaitEvent, when a stream of another GPU waited on one); the
+    //    other GPUs wait on a local event recorded behind those waits.
+    const int front = devices_.front().ordinal;
+    cudaSetDevice(front);
+    for (int r = 0; r < n; ++r) {
+      auto* s = static_cast<Sync*>(op.sync[r].get());
+      check_rt(cudaStreamWaitEvent(stream_of(front), s->event->event, 0),
+               "cudaStreamWaitEvent on rank " + std::to_string(r) + "'s event");
+    }
+    const bool gated = !(exec.size() == 1 && exec.front() == front);
+    if (gated) {
+      cudaEvent_t gate = take_event(front);
+      check_rt(cudaEventRecord(gate, stream_of(front)), "cudaEventRecord (gate)");
+      for (int dev : exec) {
+        if (dev == front) continue;
+        cudaSetDevice(dev);
+        check_rt(cudaStreamWaitEvent(stream_of(dev), gate, 0), "cudaStreamWaitEvent (gate)");
+      }
+      if (std::find(exec.begin(), exec.end(), front) == exec.end()) {
+        cudaSetDevice(front);
+        cudaEvent_t tail = take_event(front);
+        check_rt(cudaEventRecord(tail, stream_of(front)), "cudaEventRecord");
+        p.tails.emplace_back(front, tail);
       }
     }
     debug_sync(exec, stream_of, "waiting for the ranks' events");

@@ -190,12 +190,12 @@ long run_case(GpuRank& g, Kind k, engine::DType d, engine::RedOp op, std::size_t
     case Kind::all_to_all: rc = collective_all_to_all_stream(g.comm, sp, rp, count, dt, g.stream, &req); break;
   }
   if (rc != COLLECTIVE_OK) throw std::runtime_error(std::string(kind_name(k)) + ": " + collective_last_error());
-  g.ok(g.cu->cuStreamSynchronize(g.stream), "cuStreamSynchronize");
   if (collective_wait(req, -1) != COLLECTIVE_OK) {
     collective_request_free(req);
     throw std::runtime_error(std::string(kind_name(k)) + " wait: " + collective_last_error());
   }
   collective_request_free(req);
+  g.ok(g.cu->cuStreamSynchronize(g.stream), "cuStreamSynchronize");
   std::vector<std::byte> got(recv_bytes);
   g.ok(g.cu->cuMemcpyDtoH(got.data(), rcv, recv_bytes), "download");
   g.ok(g.cu->cuMemFree(dsend), "free");
