@@ -56,9 +56,20 @@ std::string hex(const std::string& bytes) {
 }
 
 constexpr int kStreamsPerDevice = 4;
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' && std::string(v) != "0";
+}
+
+std::uint64_t env_bytes(const char* name, std::uint64_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  return std::strtoull(v, nullptr, 10);
+}
 // Below this many bytes per rank the whole operation is one kernel on one GPU
 // (one-shot); above, every GPU computes its share of the elements (split).
-constexpr std::uint64_t kOneShotBytes = 256 << 10;
+constexpr std::uint64_t kOneShotBytes = 1 << 20;
 
 /// A client allocation opened in the daemon. Shared by every registration
 /// of the same allocation (legacy IPC handles are cached by handle bytes).
@@ -367,7 +378,7 @@ class CudaExecutor final : public GpuExecutor {
     if (devs.empty()) devs.push_back(devices_.front().ordinal);
     const std::uint64_t es = dtype_size(op.dtype);
     const std::uint64_t bytes = op.count * es;
-    const bool one_shot = devs.size() == 1 || bytes <= kOneShotBytes;
+    const bool one_shot = devs.size() == 1 || bytes <= one_shot_bytes_;
     const std::size_t slot = std::hash<std::string>{}(op.comm) % kStreamsPerDevice;
 
     Pending p;
@@ -376,6 +387,7 @@ class CudaExecutor final : public GpuExecutor {
     for (auto& s : op.recv) if (s.reg) p.spans.push_back(s);
     std::lock_guard lock(mu_);
     auto take_event = [&](int dev) {
+      cudaSetDevice(dev);  // events belong to the GPU current at creation
       DeviceState& d = devices_[dev];
       cudaEvent_t e = nullptr;
       if (!d.free_events.empty()) {
@@ -650,8 +662,8 @@ class CudaExecutor final : public GpuExecutor {
       recv[r] = at(op.recv[r]);
     }
     auto reduce = [&](std::vector<const std::byte*> srcs, std::vector<std::byte*> dsts,
-                      std::uint64_t count) {
-      auto [lo, hi] = share(count);
+                      std::uint64_t count, bool whole = false) {
+      auto [lo, hi] = whole ? std::pair<std::uint64_t, std::uint64_t>{0, count} : share(count);
       if (hi <= lo) return;
       ReduceLaunch a{};
       a.nsrc = static_cast<int>(srcs.size());
@@ -681,19 +693,22 @@ class CudaExecutor final : public GpuExecutor {
         break;
       }
       case OpKind::reduce: {
+        // The root's GPU pulls every input and writes locally.
+        if (!mine(op.root)) break;
         std::vector<const std::byte*> srcs;
         for (int r = 0; r < n; ++r) srcs.push_back(send[r]);
-        reduce(srcs, {recv[op.root]}, op.count);
+        reduce(srcs, {recv[op.root]}, op.count, /*whole=*/true);
         break;
       }
       case OpKind::reduce_scatter: {
-        // Every GPU computes its element share of every rank's chunk, so the
-        // in-place layout (recv == send + rank*count) reads before it writes
-        // within each launch.
+        // Rank j's chunk is computed by rank j's GPU (pulling the inputs over
+        // NVLink, writing locally); in place (recv == send + j*count) each
+        // element is read from every source before it is written.
         for (int j = 0; j < n; ++j) {
+          if (!mine(j)) continue;
           std::vector<const std::byte*> srcs;
           for (int r = 0; r < n; ++r) srcs.push_back(send[r] + j * one);
-          reduce(srcs, {recv[j]}, op.count);
+          reduce(srcs, {recv[j]}, op.count, /*whole=*/true);
         }
         break;
       }
@@ -767,7 +782,10 @@ class CudaExecutor final : public GpuExecutor {
   }
 
   Logger& log_;
-  const bool debug_sync_ = std::getenv("COLLECTIVED_GPU_DEBUG_SYNC") != nullptr;
+  const bool debug_sync_ = env_flag("COLLECTIVED_GPU_DEBUG_SYNC");
+  // Bytes per rank up to which one GPU runs the whole operation (one-shot);
+  // above, every GPU computes its share. COLLECTIVED_GPU_ONE_SHOT_BYTES overrides.
+  const std::uint64_t one_shot_bytes_ = env_bytes("COLLECTIVED_GPU_ONE_SHOT_BYTES", kOneShotBytes);
   std::shared_ptr<CudaDriver> cu_;  // mappings hold it too: they may outlive the executor
   std::unique_ptr<MpsControl> mps_;
   mutable std::mutex mu_;
