@@ -67,9 +67,6 @@ std::uint64_t env_bytes(const char* name, std::uint64_t fallback) {
   if (v == nullptr || *v == '\0') return fallback;
   return std::strtoull(v, nullptr, 10);
 }
-// Below this many bytes per rank the whole operation is one kernel on one GPU
-// (one-shot); above, every GPU computes its share of the elements (split).
-constexpr std::uint64_t kOneShotBytes = 1 << 20;
 
 /// A client allocation opened in the daemon. Shared by every registration
 /// of the same allocation (legacy IPC handles are cached by handle bytes).
@@ -378,7 +375,14 @@ class CudaExecutor final : public GpuExecutor {
     if (devs.empty()) devs.push_back(devices_.front().ordinal);
     const std::uint64_t es = dtype_size(op.dtype);
     const std::uint64_t bytes = op.count * es;
-    const bool one_shot = devs.size() == 1 || bytes <= one_shot_bytes_;
+    // Measured on 2 H200 under MPS (docs/gpu.md): one GPU doing everything wins
+    // up to ~8 MiB per rank for all-reduce, broadcast and reduce (the split
+    // costs a cross-GPU event hop, ~15-20 us); for the sharded operations the
+    // split (each GPU writing its own ranks' chunks) wins above ~1 MiB per rank.
+    const bool sharded = op.kind == OpKind::all_gather || op.kind == OpKind::reduce_scatter ||
+                         op.kind == OpKind::all_to_all;
+    const std::uint64_t limit = one_shot_env_ ? one_shot_bytes_ : sharded ? (1u << 20) : (8u << 20);
+    const bool one_shot = devs.size() == 1 || bytes <= limit;
     const std::size_t slot = std::hash<std::string>{}(op.comm) % kStreamsPerDevice;
 
     Pending p;
@@ -785,7 +789,8 @@ class CudaExecutor final : public GpuExecutor {
   const bool debug_sync_ = env_flag("COLLECTIVED_GPU_DEBUG_SYNC");
   // Bytes per rank up to which one GPU runs the whole operation (one-shot);
   // above, every GPU computes its share. COLLECTIVED_GPU_ONE_SHOT_BYTES overrides.
-  const std::uint64_t one_shot_bytes_ = env_bytes("COLLECTIVED_GPU_ONE_SHOT_BYTES", kOneShotBytes);
+  const std::uint64_t one_shot_bytes_ = env_bytes("COLLECTIVED_GPU_ONE_SHOT_BYTES", 0);
+  const bool one_shot_env_ = one_shot_bytes_ != 0;
   std::shared_ptr<CudaDriver> cu_;  // mappings hold it too: they may outlive the executor
   std::unique_ptr<MpsControl> mps_;
   mutable std::mutex mu_;
