@@ -108,7 +108,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   const std::string text(cfg::default_profile_text());
   REQUIRE(!text.empty());
   const std::vector<std::string> keys = cfg::known_keys();
-  CHECK(keys.size() == 31);
+  CHECK(keys.size() == 33);
   CHECK(keys.front() == "node.name");
   CHECK(keys.back() == "log.level");
   for (const std::string& key : keys) {
@@ -142,6 +142,8 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
         std::vector<TransportKind>{TransportKind::local, TransportKind::tcp, TransportKind::verbs});
   CHECK(p.tcp.streams_per_peer == 4);
   CHECK(p.tcp.chunk_bytes == 1024 * 1024);
+  CHECK(p.collectives.algorithm == "auto");
+  CHECK(p.collectives.direct_max_bytes == 64 * 1024);
   CHECK(p.verbs.hcas.empty());
   CHECK(p.verbs.gid_index == -1);
   CHECK(p.verbs.mtu == 0);

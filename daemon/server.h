@@ -14,13 +14,16 @@
 
 #include "config/profile.h"
 #include "daemon/notify.h"
-#include "daemon/peer_manager.h"
+#include "engine/transport/tcp/peer_manager.h"
+#include "engine/transport/tcp/peer_transport.h"
 #include "daemon/ring_poller.h"
 #include "daemon/session.h"
 #include "engine/log.h"
 #include "engine/registry.h"
 
 namespace collectived::daemon {
+
+using tcp::PeerTransport;
 
 /// Where the profile came from, so SIGHUP can load it again.
 struct ProfileSource {
@@ -81,6 +84,7 @@ class Server final : public SessionHost {
   boost::asio::steady_timer shutdown_timer_;
   boost::asio::steady_timer sweep_timer_;
   PeerManager peers_;  // after io_: its sockets and timers live on it
+  PeerTransport transport_{peers_};  // the engine's way to other nodes
   std::map<std::uint64_t, std::shared_ptr<ClientSession>> sessions_;
   std::uint64_t next_session_id_ = 1;
   bool stopping_ = false;

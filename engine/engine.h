@@ -11,8 +11,10 @@
 #include <vector>
 
 #include "engine/log.h"
+#include "engine/node_algorithms.h"
 #include "engine/op.h"
 #include "engine/registry.h"
+#include "engine/transport/transport.h"
 
 namespace collectived::engine {
 
@@ -71,6 +73,19 @@ class Engine {
   void shutdown(const std::string& reason);
 
   EngineStats stats() const;
+
+  // ---- communicators that span nodes (engine_nodes.cc) ----
+
+  /// The network to other nodes' daemons; null (the default): single node only.
+  /// Set before serving; `transport` must outlive the engine's use of it.
+  void set_node_transport(NodeTransport* transport);
+  /// Chunking and algorithm choice between nodes (profile keys collectives.*).
+  void set_node_algorithms(const NodeAlgorithmOptions& options);
+  /// A message another node's daemon (at `peer`) sent to this engine.
+  void node_message(const std::string& peer, std::vector<std::byte> message);
+  /// The connection to the daemon at `address` (node `node`) ended: every
+  /// communicator spanning it breaks with an error naming it and `why`.
+  void node_down(const std::string& address, const std::string& node, const std::string& why);
 
   struct Impl;
 
