@@ -27,9 +27,12 @@ using collectived::gpu::ScopedContext;
 namespace collectived::client {
 
 namespace {
-// Words of the flag page: one per operation in flight at most; reused round robin.
+// Words of the flag page: one per operation in flight at most; reused round
+// robin. The page holds kFlagWords "done" words (the daemon writes them, the
+// caller's stream waits) and then kFlagWords "ready" words (the caller's stream
+// writes them, the daemon's stream waits).
 constexpr std::uint32_t kFlagWords = 4096;
-constexpr std::size_t kMaxEventsPerContext = 1024;
+constexpr std::size_t kFlagPageBytes = 2 * kFlagWords * 4;
 
 std::string ptr_text(const void* p) {
   char buf[32];
@@ -44,13 +47,6 @@ struct GpuRegistration {
   std::uint64_t buffer_id = 0;
 };
 
-struct PooledEvent {
-  cu::Event event = nullptr;
-  std::string ipc;  // 64 bytes
-  std::uint32_t id = 0;
-  std::uint32_t word = 0, ticket = 0;  // last operation that used it
-  bool used = false;
-};
 
 struct GpuState {
   std::unique_ptr<CudaDriver> cu;
@@ -59,8 +55,6 @@ struct GpuState {
   cu::DevicePtr flags_dev = 0;
   std::vector<std::uint32_t> tickets = std::vector<std::uint32_t>(kFlagWords, 0);
   std::uint64_t next_word = 0;
-  std::uint32_t next_event_id = 1;
-  std::map<cu::Context, std::vector<PooledEvent>> events;
   std::map<std::uintptr_t, GpuRegistration> regs;  // by allocation base
   std::mutex tickets_mu;  // tickets[] between submitters and the watchdog
   std::atomic<bool> stop{false};
@@ -108,11 +102,8 @@ struct GpuState {
     // Nothing will write these words any more: release every stream still
     // waiting, so that a disconnect never leaves the application's GPU stuck.
     release_all();
-    for (auto& [ctx, pool] : events) {
-      for (auto& e : pool) cu->cuEventDestroy(e.event);
-    }
     cu->cuMemHostUnregister(flags);
-    ::munmap(flags, kFlagWords * 4);
+    ::munmap(flags, kFlagPageBytes);
   }
 };
 
@@ -126,7 +117,7 @@ std::shared_ptr<GpuState> gpu_state(collective_client_t* client) {
   auto s = std::make_shared<GpuState>();
   s->cu = CudaDriver::load();
   s->conn = client->conn.get();
-  const std::size_t bytes = kFlagWords * 4;
+  const std::size_t bytes = kFlagPageBytes;
   UniqueFd fd(::memfd_create("collective-gpu-flags", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!fd) throw Error(Code::system, std::string("memfd_create: ") + std::strerror(errno));
   if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0 ||
@@ -313,16 +304,17 @@ class StreamSubmit final : public GpuSubmit {
       std::lock_guard tl(s.tickets_mu);
       ticket_ = ++s.tickets[word_];
     }
-    PooledEvent& ev = event(ctx);
-    cu.check(cu.cuEventRecord(ev.event, stream_), "cuEventRecord on the caller's stream");
-    ev.used = true;
-    ev.word = word_;
-    ev.ticket = ticket_;
+    // The input is ready when the caller's stream gets here: it writes the
+    // ticket to this operation's ready word, which the daemon's stream waits
+    // for. (Not an interprocess event: a stream waiting on the event of a
+    // client that dies never goes on; a ready word the daemon can write
+    // itself when the client is gone.)
+    cu.check(cu.cuStreamWriteValue32(stream_, s.flags_dev + 4 * (kFlagWords + word_), ticket_,
+                                     cu::kStreamWriteValueDefault),
+             "cuStreamWriteValue32 (marking the input ready)");
     auto g = c.initGpu();
-    g.setEventHandle(capnp::Data::Reader(reinterpret_cast<const capnp::byte*>(ev.ipc.data()),
-                                         ev.ipc.size()));
-    g.setEventId(ev.id);
     g.setFlagWord(word_);
+    g.setReadyWord(kFlagWords + word_);
     g.setTicket(ticket_);
     g.setSendBufferId(snd.buffer_id);
     g.setRecvBufferId(rcv.buffer_id);
@@ -343,33 +335,6 @@ class StreamSubmit final : public GpuSubmit {
   }
 
  private:
-  /// A pooled interprocess event of `ctx` whose last use the daemon has
-  /// finished with (its flag word reached its ticket), or a new one.
-  PooledEvent& event(cu::Context ctx) {
-    GpuState& s = *s_;
-    auto& pool = s.events[ctx];
-    for (;;) {
-      for (auto& e : pool) {
-        if (!e.used || s.reached(e.word, e.ticket)) return e;
-      }
-      if (pool.size() < kMaxEventsPerContext) break;
-      sched_yield();
-    }
-    PooledEvent e;
-    s.cu->check(s.cu->cuEventCreate(&e.event, cu::kEventDisableTiming | cu::kEventInterprocess),
-                "cuEventCreate (interprocess)");
-    cu::IpcEventHandle h{};
-    const cu::Result r = s.cu->cuIpcGetEventHandle(&h, e.event);
-    if (r != cu::kSuccess) {
-      s.cu->cuEventDestroy(e.event);
-      s.cu->check(r, "cuIpcGetEventHandle");
-    }
-    e.ipc.assign(h.reserved, sizeof h.reserved);
-    e.id = s.next_event_id++;
-    pool.push_back(std::move(e));
-    return pool.back();
-  }
-
   collective_client_t* client_;
   std::shared_ptr<GpuState> s_;
   cu::Stream stream_;

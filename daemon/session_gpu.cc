@@ -65,6 +65,7 @@ std::shared_ptr<engine::gpu::RankSync> ClientSession::gpu_sync(wire::GpuSync::Re
   a.event_id = req.getEventId();
   a.flag_word = req.getFlagWord();
   a.ticket = req.getTicket();
+  a.ready_word = req.getReadyWord();
   a.send_buffer_id = req.getSendBufferId();
   a.recv_buffer_id = req.getRecvBufferId();
   return host_.gpu().make_sync(id_, a);

@@ -317,6 +317,10 @@ struct GpuSync {
   ticket @3 :UInt32;
   sendBufferId @4 :UInt64;  # the client's buffer ids now: a registration of memory since
   recvBufferId @5 :UInt64;  # freed and reallocated at the same address is refused
+  readyWord @6 :UInt32;     # with no eventHandle: the client's stream wrote `ticket` to this
+                            # word of its flag page when its producer work was done; the
+                            # daemon's stream waits for it (and the daemon writes it itself if
+                            # the client dies, so that its streams never wait forever)
 }
 
 struct GpuStatus {

@@ -56,6 +56,7 @@ struct GpuSyncArgs {
   std::uint32_t event_id = 0;
   std::uint32_t flag_word = 0;
   std::uint32_t ticket = 0;
+  std::uint32_t ready_word = 0;  ///< used when event_handle is empty
   std::uint64_t send_buffer_id = 0;
   std::uint64_t recv_buffer_id = 0;
 };

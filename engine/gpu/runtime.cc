@@ -186,7 +186,18 @@ class Sync final : public RankSync {
   std::shared_ptr<FlagPage> flags;
   std::shared_ptr<OpenedEvent> event;
   std::uint32_t word = 0, ticket = 0;
+  std::uint32_t ready_word = 0;  // when there is no event: the client's stream writes it
+  std::uint64_t session = 0;
   bool released = false;  // the flag write is enqueued on a daemon stream
+
+  /// The client died: let the daemon's streams past its input.
+  void release_ready() const {
+    auto* w = flags->word(ready_word);
+    std::uint32_t cur = w->load(std::memory_order_relaxed);
+    while (static_cast<std::int32_t>(ticket - cur) > 0 &&
+           !w->compare_exchange_weak(cur, ticket, std::memory_order_release)) {
+    }
+  }
 
   ~Sync() override {
     if (released || !flags) return;
@@ -220,6 +231,7 @@ struct Pending {
   std::vector<std::shared_ptr<RankSync>> syncs;
   std::vector<Span> spans;  // keep the mappings open until the GPU is done
   std::function<void(Code, std::string)> done;
+  std::string failure;  // set when a client taking part died while it was queued
 };
 
 class CudaExecutor final : public GpuExecutor {
@@ -323,6 +335,16 @@ class CudaExecutor final : public GpuExecutor {
     sync->flags = s.flags;
     sync->word = a.flag_word;
     sync->ticket = a.ticket;
+    sync->session = session;
+    if (a.event_handle.empty()) {
+      // The client's stream marks its input ready on a flag word.
+      if (a.ready_word >= s.flags->words()) {
+        throw Error(Code::invalid_argument, "ready word " + std::to_string(a.ready_word) +
+                                                " outside the client's flag page");
+      }
+      sync->ready_word = a.ready_word;
+      return sync;
+    }
     if (a.event_handle.size() != cu::kIpcHandleSize) {
       throw Error(Code::invalid_argument, "IPC event handle of " +
                                               std::to_string(a.event_handle.size()) + " bytes");
@@ -347,6 +369,21 @@ class CudaExecutor final : public GpuExecutor {
   void client_gone(std::uint64_t session) override {
     std::lock_guard lock(mu_);
     sessions_.erase(session);
+    // Operations of this client still queued on the GPUs: their input may
+    // never be marked ready. Mark it from here, so that the daemon's streams
+    // (and every other rank's stream behind them) go on, and fail them.
+    for (auto& p : pending_) {
+      for (auto& rs : p.syncs) {
+        auto* s = static_cast<Sync*>(rs.get());
+        if (s == nullptr || s->session != session) continue;
+        if (!s->event) s->release_ready();
+        if (p.failure.empty()) {
+          p.failure = "a rank's client (session " + std::to_string(session) +
+                      ") disconnected while the operation was queued on the GPU; its output is "
+                      "undefined";
+        }
+      }
+    }
   }
 
   void run(GpuCollective op, std::function<void(Code, std::string)> done) override {
@@ -414,8 +451,15 @@ class CudaExecutor final : public GpuExecutor {
     cudaSetDevice(front);
     for (int r = 0; r < n; ++r) {
       auto* s = static_cast<Sync*>(op.sync[r].get());
-      check_rt(cudaStreamWaitEvent(stream_of(front), s->event->event, 0),
-               "cudaStreamWaitEvent on rank " + std::to_string(r) + "'s event");
+      if (s->event) {
+        check_rt(cudaStreamWaitEvent(stream_of(front), s->event->event, 0),
+                 "cudaStreamWaitEvent on rank " + std::to_string(r) + "'s event");
+      } else {
+        cu_->check(cu_->cuStreamWaitValue32(reinterpret_cast<cu::Stream>(stream_of(front)),
+                                            s->flags->device + 4 * static_cast<cu::DevicePtr>(s->ready_word),
+                                            s->ticket, cu::kStreamWaitValueGeq),
+                   "cuStreamWaitValue32 on rank " + std::to_string(r) + "'s ready word");
+      }
     }
     const bool gated = !(exec.size() == 1 && exec.front() == front);
     if (gated) {
@@ -757,22 +801,33 @@ class CudaExecutor final : public GpuExecutor {
 
   void complete_loop() {
     for (;;) {
-      Pending p;
+      std::vector<std::pair<int, cudaEvent_t>> tails;
       {
         std::unique_lock lock(mu_);
         cv_.wait(lock, [&] { return stopping_ || !pending_.empty(); });
         if (pending_.empty()) return;
-        p = std::move(pending_.front());
-        pending_.pop_front();
+        // The operation stays in pending_ while it is waited for, so that
+        // client_gone() can still release a dead client's input of it.
+        tails = pending_.front().tails;
       }
       Code code = Code::ok;
       std::string message;
-      for (auto& [dev, e] : p.tails) {
+      for (auto& [dev, e] : tails) {
         const cudaError_t r = cudaEventSynchronize(e);
         if (r != cudaSuccess && code == Code::ok) {
           code = Code::system;
           message = std::string("GPU ") + std::to_string(dev) + ": " + cudaGetErrorName(r) + " (" +
                     cudaGetErrorString(r) + ")";
+        }
+      }
+      Pending p;
+      {
+        std::lock_guard lock(mu_);
+        p = std::move(pending_.front());
+        pending_.pop_front();
+        if (!p.failure.empty() && code == Code::ok) {
+          code = Code::remote;
+          message = p.failure;
         }
       }
       p.spans.clear();
