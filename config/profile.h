@@ -115,6 +115,10 @@ struct LogSection {
   LogLevel level = LogLevel::info;
 };
 
+struct GpuSection {
+  std::string mps = "off";  ///< managed | external | off (engine/gpu/mps.h)
+};
+
 /// The whole node profile.
 struct Profile {
   NodeSection node;
@@ -128,6 +132,7 @@ struct Profile {
   CollectivesSection collectives;
   VerbsSection verbs;
   LogSection log;
+  GpuSection gpu;
 };
 
 /// The embedded default profile's text (the annotated systemd/collectived.yaml).

@@ -18,6 +18,10 @@
 
 namespace collectived::engine {
 
+namespace gpu {
+class GpuExecutor;  // engine/gpu/executor.h
+}
+
 struct EngineOptions {
   std::string node_name;
   std::string rendezvous_address;  ///< "host:port" of this daemon (unique ids name it)
@@ -41,6 +45,10 @@ class Engine {
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
+
+  /// Collectives on GPU buffers run there (engine/gpu/); null: refused.
+  /// Set once, before requests arrive. Not owned.
+  void set_gpu_executor(gpu::GpuExecutor* executor);
 
   void set_deadlines(std::chrono::milliseconds operation, std::chrono::milliseconds rendezvous);
 
