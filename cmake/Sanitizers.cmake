@@ -4,18 +4,19 @@
 # Any report is fatal (-fno-sanitize-recover), so a test that triggers one fails.
 if(COLLECTIVED_SANITIZE)
   set(_san -fsanitize=${COLLECTIVED_SANITIZE} -fno-omit-frame-pointer -fno-sanitize-recover=all)
-  add_compile_options(${_san})
+  # C and C++ only: nvcc (engine/gpu kernels) takes no -fsanitize.
+  add_compile_options("$<$<COMPILE_LANGUAGE:C,CXX>:${_san}>")
   add_link_options(${_san})
   if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
     # GCC 12's object-size warnings misfire on sanitizer-instrumented code
     # (a vector resize in bad_input_test: "bound 18446744073709551610").
-    add_compile_options(-Wno-stringop-overflow)
+    add_compile_options($<$<COMPILE_LANGUAGE:C,CXX>:-Wno-stringop-overflow>)
   endif()
   if(COLLECTIVED_SANITIZE MATCHES "thread" AND CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
     # GCC warns that TSan does not understand std::atomic_thread_fence (Asio's
     # reactor uses one); the fence's ordering is still honoured by the runtime's
     # own happens-before tracking of the atomics around it.
-    add_compile_options(-Wno-tsan)
+    add_compile_options($<$<COMPILE_LANGUAGE:C,CXX>:-Wno-tsan>)
   endif()
 endif()
 
@@ -30,6 +31,6 @@ if(COLLECTIVED_FUZZ)
   endif()
   set(COLLECTIVED_FUZZ_FLAGS -fsanitize=fuzzer-no-link,address,undefined
       -fno-sanitize-recover=all -fno-omit-frame-pointer)
-  add_compile_options(${COLLECTIVED_FUZZ_FLAGS})
+  add_compile_options("$<$<COMPILE_LANGUAGE:C,CXX>:${COLLECTIVED_FUZZ_FLAGS}>")
   add_compile_definitions(COLLECTIVED_FUZZING=1)
 endif()
