@@ -106,6 +106,12 @@ struct LogSection {
   LogLevel level = LogLevel::info;
 };
 
+struct MetricsSection {
+  /// Prometheus endpoint: "" (off), "host:port" ("[v6]:port") or an absolute
+  /// Unix socket path.
+  std::string listen;
+};
+
 /// The whole node profile.
 struct Profile {
   NodeSection node;
@@ -118,6 +124,7 @@ struct Profile {
   TcpSection tcp;
   VerbsSection verbs;
   LogSection log;
+  MetricsSection metrics;
 };
 
 /// The embedded default profile's text (the annotated systemd/collectived.yaml).

@@ -78,6 +78,7 @@ struct Slot {
   std::vector<Part> parts;
   int arrived = 0;  // ranks that submitted this seq (including failed submissions)
   Clock::time_point deadline;
+  Clock::time_point created;
   bool failed = false;
   Result failure;
   bool started = false;
@@ -103,6 +104,7 @@ struct Group {
   bool failed = false;
   bool answered = false;
   Clock::time_point deadline;
+  Clock::time_point created;
 };
 
 struct Work {
@@ -253,8 +255,36 @@ struct Engine::Impl {
     m.queue.erase(std::remove_if(m.queue.begin(), m.queue.end(), pred), m.queue.end());
   }
 
+  // ---- metrics (EngineOptions::observer) ----------------------------------------
+
+  void observe_slot(const Comm& comm, const Slot& slot, Code code) {
+    if (options.observer == nullptr) return;
+    const Desc& d = slot.desc;
+    std::uint64_t bytes = d.count * dtype_size(d.dtype);
+    if (d.kind == OpKind::all_gather || d.kind == OpKind::reduce_scatter ||
+        d.kind == OpKind::all_to_all) {
+      bytes *= static_cast<std::uint64_t>(comm.nranks);
+    } else if (d.kind == OpKind::barrier || d.kind == OpKind::split) {
+      bytes = 0;
+    }
+    // Every operation runs inside this daemon for now (memcpy between clients).
+    options.observer->operation_finished(d.kind, code, bytes, Clock::now() - slot.created,
+                                         "local");
+  }
+
+  void observe_group(const Group& g, Code code) {
+    if (options.observer == nullptr) return;
+    std::uint64_t bytes = 0;
+    for (const auto& item : g.items) {
+      if (item.is_send) bytes += item.count * dtype_size(item.dtype);
+    }
+    options.observer->operation_finished(OpKind::p2p, code, bytes, Clock::now() - g.created,
+                                         "local");
+  }
+
   void fail_slot(Comm& comm, Slot& slot, Code code, const std::string& reason,
                  std::vector<Delivery>& out) {
+    observe_slot(comm, slot, code);
     slot.failed = true;
     slot.failure = error(code, reason, slot.seq);
     for (int r = 0; r < comm.nranks; ++r) {
@@ -276,6 +306,7 @@ struct Engine::Impl {
   void fail_group(Comm& comm, Group& g, Code code, const std::string& reason,
                   std::vector<Delivery>& out) {
     if (g.failed || g.answered) return;
+    observe_group(g, code);
     g.failed = true;
     g.answered = true;
     out.push_back({g.sink, g.request,
@@ -452,6 +483,7 @@ struct Engine::Impl {
       out.push_back({part.sink, part.request, std::move(res)});
     }
     ++completed;
+    observe_slot(comm, slot, Code::ok);
     comm.slots.erase(it);
   }
 
@@ -482,6 +514,7 @@ struct Engine::Impl {
     res.seq = g.seq;
     out.push_back({g.sink, g.request, std::move(res)});
     ++completed;
+    observe_group(g, Code::ok);
     remove_work(comm.members[g.rank],
                 [&](const Work& w) { return w.type == Work::Type::group && w.group.get() == &g; });
   }
@@ -651,7 +684,8 @@ struct Engine::Impl {
       if (fresh) {
         slot.seq = seq;
         slot.parts.resize(comm.nranks);
-        slot.deadline = Clock::now() + options.operation_deadline;
+        slot.created = Clock::now();
+        slot.deadline = slot.created + options.operation_deadline;
       }
       slot.arrived += 1;
       if (slot.failed) {
@@ -851,7 +885,8 @@ void Engine::p2p_group(const ClientRef& client, std::uint64_t request, std::uint
     g->rank = rank;
     g->request = request;
     g->sink = client.sink;
-    g->deadline = Clock::now() + I.options.operation_deadline;
+    g->created = Clock::now();
+    g->deadline = g->created + I.options.operation_deadline;
     try {
       for (std::size_t i = 0; i < items.size(); ++i) {
         const P2PArgs& a = items[i];
@@ -1064,6 +1099,54 @@ EngineStats Engine::stats() const {
   s.completed = impl_->completed;
   s.worker_threads = static_cast<std::uint32_t>(impl_->pool.size());
   return s;
+}
+
+std::vector<CommSnapshot> Engine::snapshot() const {
+  const Impl& I = *impl_;
+  std::lock_guard lock(I.mu);
+  const auto now = Clock::now();
+  const auto age = [&](Clock::time_point since) {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(now - since);
+  };
+  std::vector<CommSnapshot> out;
+  for (const auto& cp : I.all_comms()) {
+    const Comm& comm = *cp;
+    CommSnapshot& c = out.emplace_back();
+    c.name = comm.name;
+    c.nranks = static_cast<std::uint32_t>(comm.nranks);
+    if (comm.broken) c.broken = comm.broken->message;
+    for (const Member& m : comm.members) {
+      c.ranks.push_back({static_cast<std::uint32_t>(m.rank), m.pid, m.session, I.options.node_name,
+                         m.active, m.next_seq});
+    }
+    for (const auto& [seq, slot] : comm.slots) {
+      if (slot.failed) continue;
+      OpSnapshot& op = c.ops.emplace_back();
+      op.seq = seq;
+      op.op = slot.has_desc ? slot.desc.str() : std::string(to_string(slot.desc.kind));
+      op.age = age(slot.created);
+      op.started = slot.started;
+      for (const Member& m : comm.members) {
+        if (m.next_seq <= seq) op.missing.push_back(static_cast<std::uint32_t>(m.rank));
+      }
+    }
+    for (const Member& m : comm.members) {
+      for (const Work& w : m.queue) {
+        if (w.type != Work::Type::group || w.group->answered) continue;
+        const Group& g = *w.group;
+        OpSnapshot& op = c.ops.emplace_back();
+        op.seq = g.seq;
+        op.op = "send/recv group";
+        op.age = age(g.created);
+        op.rank = g.rank;
+        for (const P2PItem& item : g.items) {
+          op.started = op.started || item.started;
+          if (!item.started) op.missing.push_back(static_cast<std::uint32_t>(item.peer));
+        }
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace collectived::engine
