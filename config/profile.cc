@@ -383,6 +383,8 @@ constexpr std::array<EnumName<TransportKind>, 3> kTransports{{
     {"verbs", TransportKind::verbs},
 }};
 
+constexpr std::array<EnumName<int>, 3> kAlgorithms{{{"auto", 0}, {"ring", 1}, {"direct", 2}}};
+
 constexpr std::array<EnumName<LogLevel>, 5> kLogLevels{{
     {"trace", LogLevel::trace},
     {"debug", LogLevel::debug},
@@ -533,6 +535,15 @@ constexpr std::array kSchema{
     Key{"tcp.chunk_bytes",
         [](N n, Profile& p, C c) { p.tcp.chunk_bytes = as_size(n, c, 4 * KiB, 64 * MiB); },
         [](E e, P p) { e << p.tcp.chunk_bytes; }, "pipelining unit"},
+    Key{"collectives.algorithm",
+        [](N n, Profile& p, C c) {
+          p.collectives.algorithm =
+              std::string(kAlgorithms[as_enum<int>(n, c, kAlgorithms)].name);
+        },
+        [](E e, P p) { e << p.collectives.algorithm; }, "algorithm between nodes"},
+    Key{"collectives.direct_max_bytes",
+        [](N n, Profile& p, C c) { p.collectives.direct_max_bytes = as_size(n, c, 0, 64 * MiB); },
+        [](E e, P p) { e << p.collectives.direct_max_bytes; }, "direct exchange up to this size"},
 
     Key{"verbs.hcas", [](N n, Profile& p, C c) { p.verbs.hcas = as_hca_list(n, c); },
         [](E e, P p) {

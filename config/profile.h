@@ -88,6 +88,12 @@ struct TcpSection {
   std::uint64_t chunk_bytes = 0;
 };
 
+/// How collectives between nodes are done (engine/node_algorithms.h).
+struct CollectivesSection {
+  std::string algorithm;              ///< "auto", "ring" or "direct"
+  std::uint64_t direct_max_bytes = 0;  ///< auto: direct exchange up to this size
+};
+
 struct VerbsHca {
   std::string name;     ///< e.g. mlx5_0
   std::uint32_t port;   ///< 1-based port number
@@ -122,6 +128,7 @@ struct Profile {
   MemorySection memory;
   std::vector<TransportKind> transports;  ///< order of preference
   TcpSection tcp;
+  CollectivesSection collectives;
   VerbsSection verbs;
   LogSection log;
   MetricsSection metrics;

@@ -20,6 +20,7 @@ void fill_comm_status(const std::vector<engine::CommSnapshot>& comms,
       ranks[r].setNode(rs.node.c_str());
       ranks[r].setActive(rs.active);
       ranks[r].setNextSeq(rs.next_seq);
+      ranks[r].setRemote(rs.remote);
     }
     auto ops = o.initOperations(static_cast<unsigned>(c.ops.size()));
     for (unsigned k = 0; k < c.ops.size(); ++k) {

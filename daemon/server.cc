@@ -50,6 +50,14 @@ engine::EngineOptions engine_options(const config::Profile& p, engine::EngineObs
   return o;
 }
 
+engine::NodeAlgorithmOptions node_algorithms(const config::Profile& p) {
+  engine::NodeAlgorithmOptions o;
+  o.algorithm = p.collectives.algorithm;
+  o.direct_max_bytes = p.collectives.direct_max_bytes;
+  o.chunk_bytes = p.tcp.chunk_bytes;
+  return o;
+}
+
 engine::RegistryLimits registry_limits(const config::Profile& p) {
   return {.max_total_bytes = p.memory.max_registered_bytes,
           .max_per_owner = p.client.max_registrations_per_client};
@@ -79,7 +87,7 @@ bool live_key(const std::string& key) {
   return key == "log.level" || key.rfind("deadlines.", 0) == 0 ||
          key == "memory.max_registered_bytes" || key == "client.max_registrations_per_client" ||
          key == "client.allowed_uids" || key == "client.allowed_gids" ||
-         key == "client.max_clients";
+         key == "client.max_clients" || key.rfind("collectives.", 0) == 0;
 }
 
 }  // namespace
@@ -106,15 +114,23 @@ Server::Server(config::Profile profile, ProfileSource source, engine::Logger& lo
                         fill_status(status);
                         return metrics_.render(status.asReader());
                       }),
-      started_(std::chrono::steady_clock::now()) {}
+      started_(std::chrono::steady_clock::now()) {
+  engine_.set_node_algorithms(node_algorithms(profile_));
+}
 
 Server::~Server() {
+  // The engine outlives the peer manager (member order): cut it loose first.
+  engine_.set_node_transport(nullptr);
   if (socket_bound_) ::unlink(profile_.client.socket.c_str());
 }
 
 void Server::listen() {
   // Peers first: once the client socket answers, the daemon is fully up.
   peers_.listen();  // peer.listen_address:peer.port, unless peer.port is 0
+  if (peers_.listening()) {
+    PeerTransport::connect(peers_, engine_);
+    engine_.set_node_transport(&transport_);
+  }
   const std::string& path = profile_.client.socket;
   namespace fs = std::filesystem;
   const fs::path parent = fs::path(path).parent_path();
@@ -369,7 +385,9 @@ void Server::reload() {
   merged.client.allowed_uids = next.client.allowed_uids;
   merged.client.allowed_gids = next.client.allowed_gids;
   merged.client.max_clients = next.client.max_clients;
+  merged.collectives = next.collectives;
   profile_ = std::move(merged);
+  engine_.set_node_algorithms(node_algorithms(profile_));
   log_.set_level(profile_.log.level);
   registry_.set_limits(registry_limits(profile_));
   engine_.set_deadlines(profile_.deadlines.operation, profile_.deadlines.rendezvous);

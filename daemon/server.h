@@ -16,6 +16,7 @@
 #include "daemon/metrics.h"
 #include "daemon/notify.h"
 #include "daemon/peer_manager.h"
+#include "daemon/peer_transport.h"
 #include "daemon/ring_poller.h"
 #include "daemon/session.h"
 #include "engine/log.h"
@@ -79,6 +80,7 @@ class Server final : public SessionHost {
   boost::asio::steady_timer shutdown_timer_;
   boost::asio::steady_timer sweep_timer_;
   PeerManager peers_;  // after io_: its sockets and timers live on it
+  PeerTransport transport_{peers_};  // the engine's way to other nodes
   MetricsServer metrics_server_;  // after io_, like peers_
   std::map<std::uint64_t, std::shared_ptr<ClientSession>> sessions_;
   std::uint64_t next_session_id_ = 1;

@@ -12,8 +12,10 @@
 #include <vector>
 
 #include "engine/log.h"
+#include "engine/node_algorithms.h"
 #include "engine/op.h"
 #include "engine/registry.h"
+#include "engine/transport/transport.h"
 
 namespace collectived::engine {
 
@@ -53,7 +55,8 @@ struct RankSnapshot {
   std::uint64_t session = 0;
   std::string node;
   bool active = true;         ///< false once left, aborted or dead
-  std::uint64_t next_seq = 0; ///< sequence number of its next collective
+  std::uint64_t next_seq = 0; ///< sequence number of its next collective (this node's ranks)
+  bool remote = false;        ///< on another node (its daemon shows its operations)
 };
 
 /// An operation submitted and not yet answered.
@@ -63,7 +66,7 @@ struct OpSnapshot {
   std::chrono::milliseconds age{0};   ///< since its first submission
   bool started = false;               ///< running (every rank arrived, at every queue head)
   int rank = -1;                      ///< the owning rank of a send/recv group; -1: collective
-  std::vector<std::uint32_t> missing; ///< ranks that have not submitted it (group: unmatched peers)
+  std::vector<std::uint32_t> missing; ///< this node's ranks that have not submitted it (group: unmatched peers)
 };
 
 struct CommSnapshot {
@@ -108,6 +111,19 @@ class Engine {
   EngineStats stats() const;
   /// Every communicator with its ranks and in-flight operations (status).
   std::vector<CommSnapshot> snapshot() const;
+
+  // ---- communicators that span nodes (engine_nodes.cc) ----
+
+  /// The network to other nodes' daemons; null (the default): single node only.
+  /// Set before serving; `transport` must outlive the engine's use of it.
+  void set_node_transport(NodeTransport* transport);
+  /// Chunking and algorithm choice between nodes (profile keys collectives.*).
+  void set_node_algorithms(const NodeAlgorithmOptions& options);
+  /// A message another node's daemon (at `peer`) sent to this engine.
+  void node_message(const std::string& peer, std::vector<std::byte> message);
+  /// The connection to the daemon at `address` (node `node`) ended: every
+  /// communicator spanning it breaks with an error naming it and `why`.
+  void node_down(const std::string& address, const std::string& node, const std::string& why);
 
   struct Impl;
 

@@ -129,7 +129,8 @@ struct CommRank {
   sessionId @2 :UInt64;
   node @3 :Text;
   active @4 :Bool;               # false once it left, aborted or died
-  nextSeq @5 :UInt64;            # sequence number of its next collective
+  nextSeq @5 :UInt64;            # sequence number of its next collective (this node's ranks)
+  remote @6 :Bool;               # on another node: that node's daemon shows its operations
 }
 
 # An operation submitted and not yet answered: what a hang looks like.
@@ -139,7 +140,7 @@ struct InFlightOp {
   ageMs @2 :UInt64;              # since its first rank submitted it
   started @3 :Bool;              # every rank arrived and it is running
   rank @4 :Int32;                # send/recv group: the rank that submitted it; -1: collective
-  missingRanks @5 :List(UInt32); # ranks that have not submitted it (group: unmatched peers)
+  missingRanks @5 :List(UInt32); # this node's ranks that have not submitted it (group: unmatched peers)
 }
 
 # --- Communicators -----------------------------------------------------------

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "client/collective.h"
 #include "client/ctl/doctor.h"
 #include "client/ctl/json.h"
 #include "client/ctl/status_print.h"
@@ -36,6 +37,9 @@ commands:
                        Direct Storage, peer daemons); one PASS/WARN/FAIL/SKIP line each,
                        with the fix; works when the daemon is not running
   profile check FILE   validates a profile (as collectived would load it)
+  unique-id            a new communicator id hosted by this node's daemon, as the 256 hex
+                       characters collective_unique_id_from_string() reads: hand it to every
+                       rank in an environment variable or a file (no MPI needed)
   version              collectivectl's version
 
 options:
@@ -94,6 +98,29 @@ int query(const Args& a, std::string (*print)(const DaemonStatus&, bool)) {
     std::fprintf(stderr, "collectivectl: %s\n", e.what());
     return kExitFailures;
   }
+}
+
+int unique_id(const Args& a) {
+  const std::string socket = resolve_socket(a.socket, "");
+  collective_client_t* c = nullptr;
+  collective_unique_id_t id;
+  char text[2 * COLLECTIVE_UNIQUE_ID_BYTES + 1];
+  if (collective_connect(socket.c_str(), "collectivectl unique-id", &c) != COLLECTIVE_OK ||
+      collective_get_unique_id(c, &id) != COLLECTIVE_OK ||
+      collective_unique_id_to_string(&id, text, sizeof text) != COLLECTIVE_OK) {
+    std::fprintf(stderr, "collectivectl: %s\n", collective_last_error());
+    collective_disconnect(c);
+    return kExitFailures;
+  }
+  collective_disconnect(c);
+  if (a.json) {
+    Json j;
+    j.begin_object().field("unique_id", std::string(text)).end_object();
+    std::fputs(j.str().c_str(), stdout);
+  } else {
+    std::printf("%s\n", text);
+  }
+  return kExitOk;
 }
 
 int profile_check(const Args& a) {
@@ -177,6 +204,7 @@ int main(int argc, char** argv) {
   if (cmd == "comms" && a.words.size() == 1) return query(a, print_comms);
   if (cmd == "peers" && a.words.size() == 1) return query(a, print_peers);
   if (cmd == "profile" && a.words.size() >= 2 && a.words[1] == "check") return profile_check(a);
+  if (cmd == "unique-id" && a.words.size() == 1) return unique_id(a);
   if (cmd == "version") {
     if (a.json) {
       Json j;

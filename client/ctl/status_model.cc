@@ -64,8 +64,8 @@ DaemonStatus from_wire(wire::StatusReply::Reader s) {
     row.nranks = c.getNranks();
     row.broken = c.getBroken();
     for (auto r : c.getRanks()) {
-      row.ranks.push_back(
-          {r.getRank(), r.getPid(), r.getSessionId(), r.getNode(), r.getActive(), r.getNextSeq()});
+      row.ranks.push_back({r.getRank(), r.getPid(), r.getSessionId(), r.getNode(), r.getActive(),
+                           r.getNextSeq(), r.getRemote()});
     }
     for (auto o : c.getOperations()) {
       OpRow op;

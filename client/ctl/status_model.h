@@ -41,6 +41,7 @@ struct RankRow {
   std::string node;
   bool active = true;
   std::uint64_t next_seq = 0;
+  bool remote = false;  ///< on another node
 };
 
 struct OpRow {

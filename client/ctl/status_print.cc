@@ -66,6 +66,7 @@ void json_comms(Json& j, const DaemonStatus& s) {
           .field("node", r.node)
           .field("active", r.active)
           .field("next_seq", r.next_seq)
+          .field("remote", r.remote)
           .end_object();
     }
     j.end_array();
@@ -161,7 +162,9 @@ std::string comms_table(const DaemonStatus& s) {
   Table t({"COMM", "NRANKS", "LOCAL RANKS", "IN FLIGHT", "STATE"});
   for (const auto& c : s.comms) {
     std::vector<std::uint32_t> local;
-    for (const auto& r : c.ranks) local.push_back(r.rank);
+    for (const auto& r : c.ranks) {
+      if (!r.remote) local.push_back(r.rank);
+    }
     t.row({c.name, std::to_string(c.nranks), ranks_text(local), std::to_string(c.ops.size()),
            c.broken.empty() ? "ok" : "broken: " + c.broken});
   }
@@ -248,8 +251,9 @@ std::string print_comms(const DaemonStatus& s, bool json) {
     out += "\n" + c.name + ":\n";
     Table t({"RANK", "PID", "NODE", "SESSION", "NEXT SEQ", "STATE"});
     for (const auto& r : c.ranks) {
-      t.row({std::to_string(r.rank), std::to_string(r.pid), r.node, std::to_string(r.session),
-             std::to_string(r.next_seq), r.active ? "active" : "gone"});
+      t.row({std::to_string(r.rank), std::to_string(r.pid), r.node,
+             r.remote ? "-" : std::to_string(r.session), r.remote ? "-" : std::to_string(r.next_seq),
+             !r.active ? "gone" : r.remote ? "remote" : "active"});
     }
     out += t.str();
   }

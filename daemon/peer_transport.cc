@@ -1,0 +1,19 @@
+#include "daemon/peer_transport.h"
+
+namespace collectived::daemon {
+
+void PeerTransport::send(const std::string& address, std::vector<std::byte> message, Done done) {
+  peers_.send(address, kEngineChannel, std::move(message),
+              [done = std::move(done)](const PeerResult& r) { done(r.code, r.message); });
+}
+
+void PeerTransport::connect(PeerManager& peers, engine::Engine& engine) {
+  peers.on_data(kEngineChannel, [&engine](const std::string& peer, std::uint64_t,
+                                          std::uint64_t, std::vector<std::byte> payload) {
+    engine.node_message(peer, std::move(payload));
+  });
+  peers.on_peer_down([&engine](const std::string& peer, const std::string& node, Code,
+                               const std::string& why) { engine.node_down(peer, node, why); });
+}
+
+}  // namespace collectived::daemon

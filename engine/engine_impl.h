@@ -1,0 +1,891 @@
+// The engine's private state (engine/engine.h's Impl), shared by engine.cc
+// (requests, matching, local execution) and engine_nodes.cc (communicators
+// that span nodes). Not a public header.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <tuple>
+
+#include "engine/engine.h"
+#include "engine/node_algorithms.h"
+#include "engine/plan.h"
+#include "engine/transport/transport.h"
+#include "engine/worker_pool.h"
+
+namespace collectived::engine {
+
+namespace detail {
+
+/// What every rank of a collective must agree on.
+struct Desc {
+  OpKind kind = OpKind::barrier;
+  DType dtype = DType::uint8;
+  RedOp redop = RedOp::sum;
+  std::uint64_t count = 0;
+  int root = -1;
+
+  bool operator==(const Desc&) const = default;
+
+  std::string str() const {
+    std::string s(to_string(kind));
+    if (kind == OpKind::barrier || kind == OpKind::split) return s;
+    s += "(count=" + std::to_string(count) + ", dtype=" + std::string(to_string(dtype));
+    if (kind == OpKind::all_reduce || kind == OpKind::reduce || kind == OpKind::reduce_scatter) {
+      s += ", op=" + std::string(to_string(redop));
+    }
+    if (kind == OpKind::broadcast || kind == OpKind::reduce) s += ", root=" + std::to_string(root);
+    return s + ")";
+  }
+};
+
+struct Delivery {
+  std::shared_ptr<CompletionSink> sink;
+  std::uint64_t request;
+  Result result;
+};
+
+/// One rank's share of a collective.
+struct Part {
+  bool present = false;  // submitted and still waiting for the result
+  std::uint64_t request = 0;
+  std::shared_ptr<CompletionSink> sink;
+  std::uint64_t session = 0;
+  pid_t pid = 0;
+  Span send, recv;
+  int color = 0, key = 0;  // comm_split
+};
+
+/// One sequence number of a communicator.
+struct Slot {
+  std::uint64_t seq = 0;
+  Desc desc;
+  bool has_desc = false;
+  int desc_rank = -1;
+  std::vector<Part> parts;
+  int arrived = 0;  // ranks that submitted this seq (including failed submissions)
+  Clock::time_point deadline;
+  Clock::time_point created;  // first submission (status, metrics)
+  bool failed = false;
+  Result failure;
+  bool started = false;
+};
+
+struct P2PItem {
+  bool is_send = false;
+  int peer = 0;
+  Span span;
+  std::uint64_t count = 0;
+  DType dtype = DType::uint8;
+  std::uint64_t index = 0;  // k-th send/recv between this pair of ranks
+  bool started = false;
+};
+
+struct Group {
+  int rank = 0;
+  std::uint64_t seq = 0;
+  std::uint64_t request = 0;
+  std::shared_ptr<CompletionSink> sink;
+  std::vector<P2PItem> items;
+  std::size_t done = 0;
+  bool failed = false;
+  bool answered = false;
+  Clock::time_point deadline;
+  Clock::time_point created;  // submission (status, metrics)
+};
+
+struct Work {
+  enum class Type { slot, group, leave } type;
+  std::uint64_t seq = 0;              // slot
+  std::shared_ptr<Group> group;       // group
+  std::uint64_t request = 0;          // leave
+  std::shared_ptr<CompletionSink> sink;  // leave
+};
+
+struct Member {
+  int rank = 0;
+  std::uint64_t session = 0;
+  pid_t pid = 0;
+  std::uint64_t handle = 0;
+  bool active = true;  // false once left, aborted or dead
+  bool remote = false;  // lives on another node (no session, no queue here)
+  std::uint64_t next_seq = 0;
+  std::deque<Work> queue;  // this rank's operations in submission order
+};
+
+/// What other nodes sent for a communicator, before this node's operation
+/// takes it. All under Impl::mu.
+struct NodeIn {
+  NodePayload payload;
+  Desc desc;
+  int desc_rank = 0;
+  std::uint64_t count = 0;  // p2p
+  DType dtype = DType::uint8;
+};
+
+struct Inbox {
+  std::map<std::tuple<std::uint64_t, std::uint64_t, int>, NodeIn> msgs;  // (seq, tag, from node)
+  std::map<std::tuple<int, int, std::uint64_t>, NodeIn> p2p;  // (from rank, to rank, index)
+  std::map<std::uint64_t, Result> failed;  // seq -> why it failed on another node
+  std::optional<Result> broken;
+  std::uint64_t bytes = 0;
+  Clock::time_point expires;  // an inbox whose communicator never appears
+  bool claimed = false;       // a communicator of this node uses it
+  std::condition_variable cv;
+};
+struct Comm;
+using InboxRef = std::pair<std::shared_ptr<Inbox>, std::weak_ptr<Comm>>;
+
+/// Runs a communicator's operations that span nodes, one after another, on a
+/// thread of its own: they block on other nodes, and a blocked operation must
+/// never hold up another communicator (or the worker pool).
+struct Executor {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> jobs;
+  bool closed = false;
+};
+
+struct Comm {
+  std::string name;
+  int nranks = 0;
+  // Communicators that span nodes ("" and one node otherwise).
+  std::string uid;                        // the same on every node
+  std::vector<int> node_of_rank;          // rank -> node index
+  std::vector<std::string> node_address;  // node index -> rendezvous address
+  std::vector<std::string> node_name;
+  int my_node = 0;
+  int local_count = 0;
+  std::shared_ptr<Inbox> inbox;
+  std::shared_ptr<Executor> exec;
+  std::set<std::uint64_t> ended;  // seqs done here: late messages for them are dropped
+  std::uint64_t ended_floor = 0;  // every seq below it is done
+
+  bool spans_nodes() const { return node_address.size() > 1; }
+  bool is_ended(std::uint64_t seq) const { return seq < ended_floor || ended.count(seq) != 0; }
+  void end(std::uint64_t seq) {
+    ended.insert(seq);
+    while (ended.count(ended_floor) != 0) ended.erase(ended_floor++);
+  }
+  std::string node_text(int node) const {
+    return node_name[node] + " (" + node_address[node] + ")";
+  }
+  std::vector<Member> members;
+  std::map<std::uint64_t, Slot> slots;
+  std::map<std::pair<int, int>, std::uint64_t> sends, recvs;  // (from, to) -> next index
+  std::uint64_t next_group_seq = 0;
+  std::optional<Result> broken;
+
+  std::string where(int rank) const {
+    return "communicator " + name + " (rank " + std::to_string(rank) + " of " +
+           std::to_string(nranks) + ")";
+  }
+  std::string who(int rank) const {
+    std::string s = "rank " + std::to_string(rank) + " (pid " + std::to_string(members[rank].pid);
+    if (spans_nodes()) s += " on node " + node_name[node_of_rank[rank]];
+    return s + ")";
+  }
+  int active_members() const {
+    int n = 0;
+    for (const auto& m : members) n += m.active ? 1 : 0;
+    return n;
+  }
+};
+
+struct Joiner {
+  ClientRef client;             // local joiners
+  std::uint64_t request = 0;
+  std::string address;          // remote joiners: their daemon ("" = this one)
+  std::string node;             // remote joiners: their node name
+  pid_t pid = 0;
+};
+
+/// A rank of this node waiting for another node's rendezvous daemon.
+struct PendingJoin {
+  ClientRef client;
+  std::uint64_t request = 0;
+  std::string id;
+  std::string rendezvous;
+  std::uint32_t nranks = 0;
+  std::uint32_t rank = 0;
+  Clock::time_point deadline;
+};
+
+struct Rendezvous {
+  std::string name;
+  int nranks = 0;
+  std::vector<std::optional<Joiner>> joined;
+  int count = 0;
+  Clock::time_point started;
+  Clock::time_point deadline;
+};
+
+inline std::string hex_prefix(const std::string& bytes, std::size_t n) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (std::size_t i = 0; i < std::min(n, bytes.size()); ++i) {
+    const auto b = static_cast<unsigned char>(bytes[i]);
+    out += digits[b >> 4];
+    out += digits[b & 15];
+  }
+  return out;
+}
+
+inline std::string rank_list(const std::vector<int>& ranks) {
+  std::string s;
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    if (i > 0) s += ", ";
+    s += std::to_string(ranks[i]);
+  }
+  return s;
+}
+
+}  // namespace detail
+
+using namespace detail;
+
+struct Engine::Impl {
+  EngineOptions options;
+  Registry& registry;
+  Logger& log;
+  mutable std::mutex mu;
+  std::map<std::string, Rendezvous> rendezvous;
+  std::map<std::uint64_t, std::pair<std::shared_ptr<Comm>, int>> handles;  // handle -> (comm, rank)
+  std::uint64_t next_handle = 1;
+  std::uint64_t completed = 0;
+  bool stopping = false;
+  // Communicators that span nodes.
+  std::atomic<NodeTransport*> transport{nullptr};
+  NodeAlgorithmOptions algorithms;
+  std::map<std::string, InboxRef> inboxes;  // uid -> inbox and the communicator using it
+  std::multimap<std::string, PendingJoin> pending_joins;  // key (id@rendezvous) -> ranks
+  int executors = 0;  // executor threads alive (under mu)
+  std::condition_variable executors_cv;
+  // Declared last: destroyed first, so its threads are joined (and their
+  // tasks, which call back into this Impl, are done) before anything else goes.
+  WorkerPool pool;
+
+  Impl(EngineOptions o, Registry& r, Logger& l)
+      : options(std::move(o)), registry(r), log(l), pool(options.worker_threads) {}
+  /// Stops the executors of communicators that span nodes (engine_nodes.cc).
+  ~Impl();
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+
+  // ---- helpers (all with mu held) -------------------------------------------
+
+  std::pair<std::shared_ptr<Comm>, int> resolve(const ClientRef& client, std::uint64_t handle) {
+    auto it = handles.find(handle);
+    if (it == handles.end()) {
+      throw Error(Code::not_found, "unknown communicator handle " + std::to_string(handle) +
+                                       " (never created, destroyed, or aborted)");
+    }
+    auto& [comm, rank] = it->second;
+    if (comm->members[rank].session != client.session) {
+      throw Error(Code::permission_denied,
+                  "communicator handle " + std::to_string(handle) + " belongs to another client");
+    }
+    return it->second;
+  }
+
+  /// resolve(), or an error answer naming `what` (then the pointer is null).
+  std::pair<std::shared_ptr<Comm>, int> resolve_or_answer(const ClientRef& client,
+                                                          std::uint64_t request,
+                                                          std::uint64_t handle,
+                                                          std::string_view what,
+                                                          std::vector<Delivery>& out) {
+    try {
+      return resolve(client, handle);
+    } catch (const Error& e) {
+      out.push_back({client.sink, request, error(e.code(), std::string(what) + ": " + e.what())});
+      return {nullptr, 0};
+    }
+  }
+
+  Span resolve_span(const ClientRef& client, const BufferArg& b, std::uint64_t bytes,
+                    const char* which) {
+    if (bytes == 0) return {};
+    try {
+      auto reg = registry.find_range(client.session, b.handle, b.offset, bytes);
+      std::byte* p = reg->mapping.data() + b.offset;
+      return Span{std::move(reg), p, bytes};
+    } catch (const Error& e) {
+      throw Error(e.code(), std::string(which) + " buffer: " + e.what());
+    }
+  }
+
+  Result error(Code code, std::string message, std::uint64_t seq = 0) {
+    Result r;
+    r.code = code;
+    r.message = std::move(message);
+    r.seq = seq;
+    return r;
+  }
+
+  void remove_work(Member& m, const std::function<bool(const Work&)>& pred) {
+    m.queue.erase(std::remove_if(m.queue.begin(), m.queue.end(), pred), m.queue.end());
+  }
+
+  // ---- metrics (EngineOptions::observer) ----------------------------------------
+
+  void observe_slot(const Comm& comm, const Slot& slot, Code code) {
+    if (options.observer == nullptr) return;
+    const Desc& d = slot.desc;
+    std::uint64_t bytes = d.count * dtype_size(d.dtype);
+    if (d.kind == OpKind::all_gather || d.kind == OpKind::reduce_scatter ||
+        d.kind == OpKind::all_to_all) {
+      bytes *= static_cast<std::uint64_t>(comm.nranks);
+    } else if (d.kind == OpKind::barrier || d.kind == OpKind::split) {
+      bytes = 0;
+    }
+    // In-node operations are copies between clients; spanning ones use the peer links.
+    options.observer->operation_finished(d.kind, code, bytes, Clock::now() - slot.created,
+                                         comm.spans_nodes() ? "tcp" : "local");
+  }
+
+  void observe_group(const Comm& comm, const Group& g, Code code) {
+    if (options.observer == nullptr) return;
+    std::uint64_t bytes = 0;
+    for (const auto& item : g.items) {
+      if (item.is_send) bytes += item.count * dtype_size(item.dtype);
+    }
+    options.observer->operation_finished(OpKind::p2p, code, bytes, Clock::now() - g.created,
+                                         comm.spans_nodes() ? "tcp" : "local");
+  }
+
+  void fail_slot(Comm& comm, Slot& slot, Code code, const std::string& reason,
+                 std::vector<Delivery>& out) {
+    if (!slot.failed) observe_slot(comm, slot, code);
+    slot.failed = true;
+    slot.failure = error(code, reason, slot.seq);
+    for (int r = 0; r < comm.nranks; ++r) {
+      Part& part = slot.parts[r];
+      if (!part.present) continue;
+      part.present = false;
+      Result res = slot.failure;
+      res.message = std::string(to_string(slot.desc.kind)) + " (seq " + std::to_string(slot.seq) +
+                    ") on " + comm.where(r) + ": " + reason;
+      out.push_back({part.sink, part.request, std::move(res)});
+      part.send = {};
+      part.recv = {};
+      remove_work(comm.members[r], [&](const Work& w) {
+        return w.type == Work::Type::slot && w.seq == slot.seq;
+      });
+    }
+  }
+
+  void fail_group(Comm& comm, Group& g, Code code, const std::string& reason,
+                  std::vector<Delivery>& out) {
+    if (g.failed || g.answered) return;
+    observe_group(comm, g, code);
+    g.failed = true;
+    g.answered = true;
+    out.push_back({g.sink, g.request,
+                   error(code,
+                         "send/recv group (seq " + std::to_string(g.seq) + ") on " +
+                             comm.where(g.rank) + ": " + reason,
+                         g.seq)});
+    remove_work(comm.members[g.rank],
+                [&](const Work& w) { return w.type == Work::Type::group && w.group.get() == &g; });
+  }
+
+  using SlotIt = std::map<std::uint64_t, Slot>::iterator;
+  /// Forgets a finished slot; other nodes' late messages for it are dropped.
+  SlotIt end_slot_it(Comm& comm, SlotIt it) {
+    if (comm.spans_nodes()) {
+      comm.end(it->first);
+      purge_inbox(comm, it->first);
+    }
+    return comm.slots.erase(it);
+  }
+  void end_slot(Comm& comm, SlotIt it) { end_slot_it(comm, it); }
+
+  /// Fails everything not yet running; later submissions fail at once.
+  /// `tell_nodes`: the reason is this node's (a rank died, left, aborted),
+  /// so the other nodes of the communicator are told too.
+  void break_comm(Comm& comm, Code code, const std::string& reason, std::vector<Delivery>& out,
+                  bool tell_nodes = true) {
+    if (comm.spans_nodes() && !comm.broken) {
+      comm.inbox->broken = error(code, reason);
+      comm.inbox->cv.notify_all();
+      if (tell_nodes) send_broken(comm, code, reason);
+    }
+    if (!comm.broken) comm.broken = error(code, reason);
+    for (auto it = comm.slots.begin(); it != comm.slots.end();) {
+      if (!it->second.started) {
+        if (!it->second.failed) fail_slot(comm, it->second, code, reason, out);
+        it = end_slot_it(comm, it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto& m : comm.members) {
+      std::vector<std::shared_ptr<Group>> groups;
+      for (auto& w : m.queue) {
+        if (w.type == Work::Type::group) groups.push_back(w.group);
+      }
+      for (auto& g : groups) {
+        const bool running = std::any_of(g->items.begin(), g->items.end(),
+                                         [](const P2PItem& i) { return i.started; });
+        if (!running) fail_group(comm, *g, code, reason, out);
+      }
+    }
+  }
+
+  /// Every live communicator once (handles map several ranks to one).
+  std::vector<std::shared_ptr<Comm>> all_comms() const {
+    std::vector<std::shared_ptr<Comm>> comms;
+    for (const auto& [h, cr] : handles) comms.push_back(cr.first);
+    std::sort(comms.begin(), comms.end());
+    comms.erase(std::unique(comms.begin(), comms.end()), comms.end());
+    return comms;
+  }
+
+  void drop_member(Comm& comm, int rank) {
+    Member& m = comm.members[rank];
+    m.active = false;
+    handles.erase(m.handle);
+    const bool local_left = std::any_of(comm.members.begin(), comm.members.end(),
+                                        [](const Member& x) { return x.active && !x.remote; });
+    if (!local_left) release_nodes(comm);
+  }
+
+  // ---- communicators that span nodes (engine_nodes.cc) ---------------------------
+
+  /// Sets up the inbox and the executor of a communicator spanning nodes.
+  void attach_nodes(const std::shared_ptr<Comm>& cp);
+  void executor_loop(std::shared_ptr<Executor> ex);
+  /// Joins rank `rank` to the rendezvous `key`; an error text when it cannot.
+  std::optional<std::pair<Code, std::string>> join_rendezvous(const std::string& key,
+                                                              std::uint32_t nranks,
+                                                              std::uint32_t rank, Joiner joiner,
+                                                              std::vector<Delivery>& out);
+  /// Creates this node's side of a communicator spanning nodes and answers its
+  /// joiners (rank -> joiner; ranks of other nodes are absent).
+  std::shared_ptr<Comm> make_spanning_comm(const std::string& uid, const std::string& name,
+                                           const std::vector<int>& node_of_rank,
+                                           const std::vector<pid_t>& pids,
+                                           const std::vector<std::string>& addresses,
+                                           const std::vector<std::string>& names,
+                                           const std::map<int, Joiner>& local,
+                                           std::vector<Delivery>& out);
+  /// Pending joins of this node: fails the ones of `key` (rank < 0: all).
+  void fail_pending_joins(const std::string& key, int rank, Code code, const std::string& why,
+                          std::vector<Delivery>& out);
+  void check_node_deadlines(Clock::time_point now, std::vector<Delivery>& out);
+  void node_client_gone(std::uint64_t session, std::vector<Delivery>& out);
+  void node_shutdown(const std::string& reason, std::vector<Delivery>& out);
+  /// Its last local rank is gone: closes the executor, drops the inbox.
+  void release_nodes(Comm& comm);
+  /// Drops what other nodes sent for `seq`.
+  void purge_inbox(Comm& comm, std::uint64_t seq);
+  /// Tells the other nodes that this node broke the communicator.
+  void send_broken(Comm& comm, Code code, const std::string& reason);
+  /// Tells the other nodes that `seq` failed here.
+  void send_slot_failed(Comm& comm, std::uint64_t seq, Code code, const std::string& reason);
+  /// A collective whose local ranks are all in: runs on the executor.
+  void start_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64_t seq);
+  /// The executor's body for one operation.
+  void run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64_t seq);
+  /// A send to, or a receive from, a rank on another node.
+  void start_remote_item(const std::shared_ptr<Comm>& cp, const std::shared_ptr<Group>& g,
+                         P2PItem& item, std::vector<Delivery>& out,
+                         std::vector<std::function<void()>>& tasks);
+  /// Compares another node's description of `seq` with this node's; on a
+  /// difference fails the slot here and there. True when they match.
+  bool check_remote_desc(Comm& comm, std::uint64_t seq, std::vector<Delivery>& out);
+  /// Answers a completed rendezvous whose ranks live on several nodes.
+  void finish_rendezvous_across_nodes(const std::string& key, struct Rendezvous& rv,
+                                      std::vector<Delivery>& out);
+  /// Fails a rendezvous at this daemon, telling remote joiners' nodes.
+  void fail_rendezvous(const std::string& key, struct Rendezvous& rv, Code code,
+                       const std::string& why, int except_rank, std::vector<Delivery>& out);
+  /// Sends a message built by `fill` to `address` (errors are logged).
+  void send_node(const std::string& address, std::vector<std::byte> message);
+  void handle_node_message(const std::string& peer, std::vector<std::byte> bytes,
+                           std::vector<Delivery>& out, std::vector<std::function<void()>>& tasks);
+  void handle_node_down(const std::string& address, const std::string& node, const std::string& why,
+                        std::vector<Delivery>& out, std::vector<std::function<void()>>& tasks);
+  /// Creates the children of a split from every rank's (color, key).
+  void make_split_children(const std::shared_ptr<Comm>& cp, std::uint64_t seq,
+                           const std::vector<std::pair<int, int>>& color_key,
+                           std::map<int, CommInfo>& info);
+
+  // ---- progress --------------------------------------------------------------
+
+  /// Starts whatever can start; answers leaves and failures at queue heads.
+  void progress(const std::shared_ptr<Comm>& cp, std::vector<Delivery>& out,
+                std::vector<std::function<void()>>& tasks) {
+    Comm& comm = *cp;
+    for (bool changed = true; changed;) {
+      changed = false;
+      // Leaves whose earlier operations are all done.
+      for (auto& m : comm.members) {
+        if (!m.active || m.queue.empty() || m.queue.front().type != Work::Type::leave) continue;
+        Work w = std::move(m.queue.front());
+        m.queue.pop_front();
+        out.push_back({w.sink, w.request, Result{}});
+        drop_member(comm, m.rank);
+        log.debug("comm_left", {{"comm", comm.name}, {"rank", m.rank}, {"pid", m.pid}});
+        if (comm.active_members() > 0) {
+          break_comm(comm, Code::remote,
+                     comm.who(m.rank) + " left the communicator (comm_destroy)", out);
+        }
+        changed = true;
+      }
+      if (comm.broken) break;
+      // A collective starts when it is at the head of every (local) rank's
+      // queue; other nodes' ranks are met by the algorithm between nodes.
+      auto first = std::find_if(comm.members.begin(), comm.members.end(),
+                                [](const Member& m) { return !m.remote; });
+      if (first != comm.members.end() && !first->queue.empty() &&
+          first->queue.front().type == Work::Type::slot) {
+        const std::uint64_t seq = first->queue.front().seq;
+        auto it = comm.slots.find(seq);
+        if (it != comm.slots.end() && !it->second.started && !it->second.failed &&
+            it->second.arrived == comm.local_count &&
+            std::all_of(comm.members.begin(), comm.members.end(), [&](const Member& m) {
+              return m.remote || (!m.queue.empty() && m.queue.front().type == Work::Type::slot &&
+                                  m.queue.front().seq == seq);
+            })) {
+          start_slot(cp, it->second, out, tasks);
+          changed = true;
+        }
+      }
+      // Point-to-point pairs whose both groups are at their ranks' heads.
+      for (auto& m : comm.members) {
+        if (m.queue.empty() || m.queue.front().type != Work::Type::group) continue;
+        auto g = m.queue.front().group;
+        for (auto& item : g->items) {
+          if (item.started) continue;
+          if (comm.members[item.peer].remote) {
+            start_remote_item(cp, g, item, out, tasks);
+            continue;
+          }
+          if (!item.is_send) continue;
+          Member& peer = comm.members[item.peer];
+          if (peer.queue.empty() || peer.queue.front().type != Work::Type::group) continue;
+          auto h = peer.queue.front().group;
+          auto match = std::find_if(h->items.begin(), h->items.end(), [&](const P2PItem& i) {
+            return !i.is_send && i.peer == m.rank && i.index == item.index;
+          });
+          if (match == h->items.end()) continue;
+          if (match->count * dtype_size(match->dtype) != item.count * dtype_size(item.dtype) ||
+              match->dtype != item.dtype) {
+            const std::string why =
+                "mismatched send/recv: rank " + std::to_string(m.rank) + " sends " +
+                std::to_string(item.count) + " " + std::string(to_string(item.dtype)) +
+                " to rank " + std::to_string(item.peer) + " but rank " +
+                std::to_string(item.peer) + " receives " + std::to_string(match->count) + " " +
+                std::string(to_string(match->dtype)) + " from rank " + std::to_string(m.rank);
+            fail_group(comm, *g, Code::mismatch, why, out);
+            if (h != g) fail_group(comm, *h, Code::mismatch, why, out);
+            changed = true;
+            break;
+          }
+          item.started = true;
+          match->started = true;
+          start_pair(cp, g, h, item.span, match->span, tasks);
+        }
+      }
+    }
+  }
+
+  void start_slot(const std::shared_ptr<Comm>& cp, Slot& slot, std::vector<Delivery>& out,
+                  std::vector<std::function<void()>>& tasks) {
+    Comm& comm = *cp;
+    slot.started = true;
+    const std::uint64_t seq = slot.seq;
+    if (comm.spans_nodes()) {
+      start_across_nodes(cp, seq);
+      return;
+    }
+    if (slot.desc.kind == OpKind::split) {
+      do_split(cp, slot, out);
+      return;
+    }
+    if (slot.desc.kind == OpKind::barrier) {
+      complete_slot(comm, seq, out);
+      return;
+    }
+    CollectivePlanInput in;
+    in.kind = slot.desc.kind;
+    in.dtype = slot.desc.dtype;
+    in.redop = slot.desc.redop;
+    in.count = slot.desc.count;
+    in.root = slot.desc.root;
+    for (auto& part : slot.parts) {
+      in.send.push_back(part.send);
+      in.recv.push_back(part.recv);
+    }
+    auto more = plan_collective(std::move(in), pool.size(), [this, cp, seq] {
+      std::vector<Delivery> done;
+      std::vector<std::function<void()>> next;
+      {
+        std::lock_guard lock(mu);
+        complete_slot(*cp, seq, done);
+        progress(cp, done, next);
+      }
+      pool.submit_all(std::move(next));
+      deliver(done);
+    });
+    for (auto& t : more) tasks.push_back(std::move(t));
+  }
+
+  void complete_slot(Comm& comm, std::uint64_t seq, std::vector<Delivery>& out) {
+    auto it = comm.slots.find(seq);
+    if (it == comm.slots.end()) return;
+    Slot& slot = it->second;
+    for (int r = 0; r < comm.nranks; ++r) {
+      Part& part = slot.parts[r];
+      Member& m = comm.members[r];
+      if (!m.queue.empty() && m.queue.front().type == Work::Type::slot &&
+          m.queue.front().seq == seq) {
+        m.queue.pop_front();
+      }
+      if (!part.present) continue;
+      Result res;
+      res.seq = seq;
+      out.push_back({part.sink, part.request, std::move(res)});
+    }
+    ++completed;
+    observe_slot(comm, slot, Code::ok);
+    end_slot(comm, it);
+  }
+
+  void start_pair(const std::shared_ptr<Comm>& cp, std::shared_ptr<Group> sender,
+                  std::shared_ptr<Group> receiver, Span src, Span dst,
+                  std::vector<std::function<void()>>& tasks) {
+    auto more = plan_copy(std::move(src), std::move(dst), pool.size(),
+                          [this, cp, sender, receiver] {
+                            std::vector<Delivery> done;
+                            std::vector<std::function<void()>> next;
+                            {
+                              std::lock_guard lock(mu);
+                              item_done(*cp, *sender, done);
+                              item_done(*cp, *receiver, done);
+                              progress(cp, done, next);
+                            }
+                            pool.submit_all(std::move(next));
+                            deliver(done);
+                          });
+    for (auto& t : more) tasks.push_back(std::move(t));
+  }
+
+  void item_done(Comm& comm, Group& g, std::vector<Delivery>& out) {
+    ++g.done;
+    if (g.done < g.items.size() || g.answered) return;
+    g.answered = true;
+    Result res;
+    res.seq = g.seq;
+    out.push_back({g.sink, g.request, std::move(res)});
+    ++completed;
+    observe_group(comm, g, Code::ok);
+    remove_work(comm.members[g.rank],
+                [&](const Work& w) { return w.type == Work::Type::group && w.group.get() == &g; });
+  }
+
+  void do_split(const std::shared_ptr<Comm>& cp, Slot& slot, std::vector<Delivery>& out) {
+    Comm& parent = *cp;
+    std::vector<std::pair<int, int>> color_key(parent.nranks);
+    for (int r = 0; r < parent.nranks; ++r) color_key[r] = {slot.parts[r].color, slot.parts[r].key};
+    std::map<int, CommInfo> info;  // parent rank -> new communicator
+    make_split_children(cp, slot.seq, color_key, info);
+    const std::uint64_t seq = slot.seq;
+    std::vector<Delivery> replies;
+    for (int r = 0; r < parent.nranks; ++r) {
+      if (!slot.parts[r].present) continue;
+      Result res;
+      res.seq = seq;
+      res.comm = info.count(r) ? info[r] : CommInfo{};
+      replies.push_back({slot.parts[r].sink, slot.parts[r].request, std::move(res)});
+      slot.parts[r].present = false;
+    }
+    complete_slot(parent, seq, out);
+    for (auto& d : replies) out.push_back(std::move(d));
+  }
+
+  void deliver(std::vector<Delivery>& out) {
+    for (auto& d : out) {
+      if (d.sink) d.sink->complete(d.request, std::move(d.result));
+    }
+    out.clear();
+  }
+
+  // ---- requests -----------------------------------------------------------------
+
+  /// Runs `fn` under the engine lock, then starts the tasks it produced and
+  /// delivers its answers. `run_inline`: the caller is a daemon worker (the
+  /// ring poller), and an operation that is a single task runs right here,
+  /// saving the wake-up of a pool thread — most of a small operation's cost.
+  template <typename Fn>
+  void locked(Fn&& fn, bool run_inline = false) {
+    std::vector<Delivery> out;
+    std::vector<std::function<void()>> tasks;
+    {
+      std::lock_guard lock(mu);
+      fn(out, tasks);
+    }
+    if (run_inline && tasks.size() == 1) {
+      deliver(out);
+      tasks.front()();
+      return;
+    }
+    pool.submit_all(std::move(tasks));
+    deliver(out);
+  }
+
+  /// Validates one rank's collective and resolves its buffers. Throws Error.
+  Desc validate(const ClientRef& client, const CollectiveArgs& a, int nranks, int rank,
+                Part& part) {
+    Desc d;
+    d.kind = a.kind;
+    if (a.kind == OpKind::barrier || a.kind == OpKind::split) return d;
+    const auto dtype = dtype_from_int(a.dtype);
+    if (!dtype) throw Error(Code::invalid_argument, "unknown dtype " + std::to_string(a.dtype));
+    d.dtype = *dtype;
+    d.count = a.count;
+    const bool reducing = a.kind == OpKind::all_reduce || a.kind == OpKind::reduce ||
+                          a.kind == OpKind::reduce_scatter;
+    if (reducing) {
+      const auto op = redop_from_int(a.redop);
+      if (!op) throw Error(Code::invalid_argument, "unknown reduction " + std::to_string(a.redop));
+      d.redop = *op;
+    }
+    const bool rooted = a.kind == OpKind::broadcast || a.kind == OpKind::reduce;
+    if (rooted) {
+      if (a.root < 0 || a.root >= nranks) {
+        throw Error(Code::invalid_argument, "root " + std::to_string(a.root) +
+                                                " is not a rank of this communicator (0.." +
+                                                std::to_string(nranks - 1) + ")");
+      }
+      d.root = a.root;
+    }
+    const std::uint64_t es = dtype_size(d.dtype);
+    const std::uint64_t n = static_cast<std::uint64_t>(nranks);
+    if (a.count > (std::uint64_t{1} << 46) / es / n) {
+      throw Error(Code::invalid_argument, "count " + std::to_string(a.count) + " is too large");
+    }
+    const std::uint64_t one = a.count * es;
+    std::uint64_t send_bytes = one, recv_bytes = one;
+    switch (a.kind) {
+      case OpKind::all_gather: recv_bytes = one * n; break;
+      case OpKind::reduce_scatter: send_bytes = one * n; break;
+      case OpKind::all_to_all: send_bytes = recv_bytes = one * n; break;
+      case OpKind::broadcast: if (rank != a.root) send_bytes = 0; break;
+      case OpKind::reduce: if (rank != a.root) recv_bytes = 0; break;
+      default: break;
+    }
+    part.send = resolve_span(client, a.send, send_bytes, "send");
+    part.recv = resolve_span(client, a.recv, recv_bytes, "recv");
+    // Overlapping send and receive buffers are only allowed in the in-place
+    // layout of each operation; anything else would read half-written data.
+    if (part.send.ptr && part.recv.ptr && part.send.reg == part.recv.reg) {
+      const std::byte* s = part.send.ptr;
+      const std::byte* r = part.recv.ptr;
+      const bool overlap = s < r + part.recv.bytes && r < s + part.send.bytes;
+      bool in_place = false;
+      switch (a.kind) {
+        case OpKind::all_gather: in_place = s == r + rank * one; break;
+        case OpKind::reduce_scatter: in_place = r == s + rank * one; break;
+        default: in_place = s == r; break;
+      }
+      if (overlap && !in_place) {
+        throw Error(Code::invalid_argument,
+                    "send and recv buffers overlap but are not the in-place layout of " +
+                        std::string(to_string(a.kind)));
+      }
+    }
+    return d;
+  }
+
+  void submit_slot(const ClientRef& client, std::uint64_t request, std::uint64_t handle,
+                   const CollectiveArgs& args, int color, int key) {
+    locked([&](std::vector<Delivery>& out, std::vector<std::function<void()>>& tasks) {
+      auto [cp, rank] = resolve_or_answer(client, request, handle, to_string(args.kind), out);
+      if (!cp) return;
+      Comm& comm = *cp;
+      const std::string op(to_string(args.kind));
+      if (stopping) {
+        out.push_back({client.sink, request,
+                       error(Code::aborted, op + " on " + comm.where(rank) +
+                                                ": the daemon is stopping")});
+        return;
+      }
+      if (comm.broken) {
+        out.push_back({client.sink, request,
+                       error(comm.broken->code,
+                             op + " on " + comm.where(rank) + ": " + comm.broken->message)});
+        return;
+      }
+      Member& m = comm.members[rank];
+      const std::uint64_t seq = m.next_seq++;
+      auto [it, fresh] = comm.slots.try_emplace(seq);
+      Slot& slot = it->second;
+      if (fresh) {
+        slot.seq = seq;
+        slot.parts.resize(comm.nranks);
+        slot.created = Clock::now();
+        slot.deadline = slot.created + options.operation_deadline;
+      }
+      slot.arrived += 1;
+      if (slot.failed) {
+        Result res = slot.failure;
+        res.message = op + " (seq " + std::to_string(seq) + ") on " + comm.where(rank) + ": " +
+                      slot.failure.message;
+        out.push_back({client.sink, request, std::move(res)});
+        if (slot.arrived >= comm.local_count) end_slot(comm, it);
+        return;
+      }
+      Part part;
+      part.request = request;
+      part.sink = client.sink;
+      part.session = client.session;
+      part.pid = client.pid;
+      part.color = color;
+      part.key = key;
+      Desc desc;
+      try {
+        desc = validate(client, args, comm.nranks, rank, part);
+      } catch (const Error& e) {
+        part.present = true;
+        slot.parts[rank] = std::move(part);
+        if (!slot.has_desc) slot.desc.kind = args.kind;
+        fail_slot(comm, slot, e.code(),
+                  comm.who(rank) + " submitted an invalid " + op + ": " + e.what(), out);
+        if (slot.arrived >= comm.local_count) end_slot(comm, it);
+        return;
+      }
+      part.present = true;
+      slot.parts[rank] = std::move(part);
+      if (!slot.has_desc) {
+        slot.desc = desc;
+        slot.has_desc = true;
+        slot.desc_rank = rank;
+        // Other nodes may have sent their view of this operation already.
+        if (comm.spans_nodes() && !check_remote_desc(comm, seq, out)) return;
+      } else if (!(slot.desc == desc)) {
+        // Named both ways, so that whoever reads either rank's error sees the pair.
+        fail_slot(comm, slot, Code::mismatch,
+                  "mismatched operations for sequence number " + std::to_string(seq) + ": " +
+                      comm.who(slot.desc_rank) + " submitted " + slot.desc.str() + " but " +
+                      comm.who(rank) + " submitted " + desc.str(),
+                  out);
+        if (slot.arrived >= comm.local_count) end_slot(comm, it);
+        return;
+      }
+      m.queue.push_back(Work{Work::Type::slot, seq, nullptr, 0, nullptr});
+      progress(cp, out, tasks);
+    }, client.inline_small);
+  }
+};
+
+}  // namespace collectived::engine

@@ -1,0 +1,1112 @@
+// Communicators whose ranks live on several nodes: the rendezvous across
+// daemons, the messages between engines (ipc/node.capnp), the executor that
+// runs each such communicator's collectives, point-to-point between nodes,
+// and what happens when a node goes away.
+//
+// Bootstrap. A unique id names the rendezvous daemon. comm_init on another
+// daemon forwards the join there (`join`); once every rank is in, the
+// rendezvous daemon sends every node with ranks the rank map (`joinReply`),
+// and each node creates its side of the communicator: local members with
+// queues, remote members by rank. Nodes are numbered by their lowest rank, the
+// same everywhere.
+//
+// Operations. Local ranks meet as on one node (sequence numbers, queues);
+// when all of this node's ranks are in, the operation runs on the
+// communicator's executor thread: engine/node_algorithms.h, whose messages
+// are `data` keyed by (seq, tag, sender node) and carry the sender's view of
+// the operation, so that a mismatch is named on every node. A failure is
+// told to the other nodes (`slotFailed` for one operation, `broken` for the
+// communicator).
+#include <capnp/message.h>
+#include <capnp/serialize.h>
+
+#include <cstring>
+#include <thread>
+
+#include "engine/engine_impl.h"
+#include "ipc/node.capnp.h"
+
+namespace collectived::engine {
+
+namespace {
+
+constexpr std::size_t kPrefix = 8;  // [u32 header words][u32 0]
+
+std::vector<std::byte> encode(capnp::MessageBuilder& mb,
+                              std::span<const std::span<const std::byte>> raw = {}) {
+  const auto words = capnp::messageToFlatArray(mb);
+  const auto header = words.asBytes();
+  std::size_t raw_bytes = 0;
+  for (const auto& p : raw) raw_bytes += p.size();
+  std::vector<std::byte> out(kPrefix + header.size() + raw_bytes);
+  const auto nwords = static_cast<std::uint32_t>(words.size());
+  std::memcpy(out.data(), &nwords, 4);
+  std::memcpy(out.data() + kPrefix, header.begin(), header.size());
+  std::size_t at = kPrefix + header.size();
+  for (const auto& p : raw) {
+    if (!p.empty()) std::memcpy(out.data() + at, p.data(), p.size());
+    at += p.size();
+  }
+  return out;
+}
+
+/// A received message: its header, and where its raw bytes start.
+struct Decoded {
+  std::vector<std::byte> bytes;
+  std::unique_ptr<capnp::FlatArrayMessageReader> reader;
+  nodewire::NodeMessage::Reader msg;
+  std::size_t raw_offset = 0;
+};
+
+std::unique_ptr<Decoded> decode(std::vector<std::byte> bytes) {
+  if (bytes.size() < kPrefix) throw Error(Code::protocol, "message shorter than its prefix");
+  std::uint32_t nwords = 0;
+  std::memcpy(&nwords, bytes.data(), 4);
+  if (nwords == 0 || kPrefix + std::uint64_t{nwords} * 8 > bytes.size()) {
+    throw Error(Code::protocol, "header of " + std::to_string(nwords) +
+                                    " words does not fit a message of " +
+                                    std::to_string(bytes.size()) + " bytes");
+  }
+  auto d = std::make_unique<Decoded>();
+  d->bytes = std::move(bytes);
+  // The vector's storage is aligned for any scalar type, so the words are too.
+  kj::ArrayPtr<const capnp::word> words(reinterpret_cast<const capnp::word*>(d->bytes.data() + kPrefix),
+                                        nwords);
+  capnp::ReaderOptions limits;
+  limits.traversalLimitInWords = 1u << 24;
+  limits.nestingLimit = 16;
+  d->reader = std::make_unique<capnp::FlatArrayMessageReader>(words, limits);
+  d->msg = d->reader->getRoot<nodewire::NodeMessage>();
+  d->raw_offset = kPrefix + std::size_t{nwords} * 8;
+  return d;
+}
+
+std::string to_hex(const std::string& bytes) { return hex_prefix(bytes, bytes.size()); }
+
+std::string text(capnp::Text::Reader t) { return std::string(t.cStr(), t.size()); }
+std::string data(capnp::Data::Reader d) {
+  return std::string(reinterpret_cast<const char*>(d.begin()), d.size());
+}
+
+Desc desc_of(nodewire::OpData::Reader d) {
+  Desc desc;
+  desc.kind = static_cast<OpKind>(d.getKind());
+  desc.dtype = static_cast<DType>(d.getDtype());
+  desc.redop = static_cast<RedOp>(d.getRedop());
+  desc.count = d.getCount();
+  desc.root = d.getRoot();
+  return desc;
+}
+
+std::string ranks_text(const Comm& comm, int node) {
+  std::vector<int> ranks;
+  for (int r = 0; r < comm.nranks; ++r) {
+    if (comm.node_of_rank[r] == node) ranks.push_back(r);
+  }
+  return (ranks.size() == 1 ? "rank " : "ranks ") + rank_list(ranks);
+}
+
+/// One operation's NodeChannel over the engine's transport and inbox.
+class EngineChannel final : public NodeChannel {
+ public:
+  EngineChannel(Engine::Impl& impl, std::shared_ptr<Comm> comm, std::uint64_t seq, Desc desc,
+                int desc_rank, Clock::time_point deadline, std::chrono::milliseconds budget)
+      : I_(impl),
+        comm_(std::move(comm)),
+        seq_(seq),
+        desc_(desc),
+        desc_rank_(desc_rank),
+        deadline_(deadline),
+        budget_(budget) {}
+
+  int node() const override { return comm_->my_node; }
+  int nodes() const override { return static_cast<int>(comm_->node_address.size()); }
+
+  void send(int to, std::uint64_t tag, std::span<const std::span<const std::byte>> pieces) override {
+    capnp::MallocMessageBuilder mb(128);
+    auto m = mb.initRoot<nodewire::NodeMessage>();
+    m.setFrom(I_.options.rendezvous_address);
+    auto d = m.initData();
+    d.setUid(comm_->uid);
+    d.setSeq(seq_);
+    d.setTag(tag);
+    d.setFromNode(static_cast<std::uint32_t>(comm_->my_node));
+    d.setKind(static_cast<std::uint8_t>(desc_.kind));
+    d.setDtype(static_cast<std::uint8_t>(desc_.dtype));
+    d.setRedop(static_cast<std::uint8_t>(desc_.redop));
+    d.setCount(desc_.count);
+    d.setRoot(desc_.root);
+    d.setDescRank(static_cast<std::uint32_t>(desc_rank_));
+    I_.send_node(comm_->node_address[to], encode(mb, pieces));
+  }
+
+  NodePayload recv(int from, std::uint64_t tag) override {
+    std::unique_lock lock(I_.mu);
+    Inbox& in = *comm_->inbox;
+    const auto key = std::make_tuple(seq_, tag, from);
+    for (;;) {
+      auto it = in.msgs.find(key);
+      if (it != in.msgs.end()) {
+        NodePayload p = std::move(it->second.payload);
+        in.bytes -= p.storage.size();
+        in.msgs.erase(it);
+        return p;
+      }
+      if (auto f = in.failed.find(seq_); f != in.failed.end()) {
+        remote_failure = true;
+        throw Error(f->second.code, f->second.message);
+      }
+      if (in.broken) {
+        remote_failure = true;
+        throw Error(in.broken->code, in.broken->message);
+      }
+      if (I_.stopping) {
+        throw Error(Code::aborted, "collectived on node " + I_.options.node_name + " is stopping");
+      }
+      if (in.cv.wait_until(lock, deadline_) == std::cv_status::timeout &&
+          Clock::now() >= deadline_ && in.msgs.count(key) == 0) {
+        throw Error(Code::timeout,
+                    "timed out after " + std::to_string(budget_.count()) +
+                        " ms (deadlines.operation_ms) on node " + I_.options.node_name +
+                        " waiting for node " + comm_->node_text(from) + ", which hosts " +
+                        ranks_text(*comm_, from) +
+                        ": they have not all submitted this operation, or an earlier one is "
+                        "not done there");
+      }
+    }
+  }
+
+  /// The failure came from another node (it was told there already).
+  bool remote_failure = false;
+
+ private:
+  Engine::Impl& I_;
+  std::shared_ptr<Comm> comm_;
+  std::uint64_t seq_;
+  Desc desc_;
+  int desc_rank_;
+  Clock::time_point deadline_;
+  std::chrono::milliseconds budget_;
+};
+
+}  // namespace
+
+// ---- lifetime ------------------------------------------------------------------------
+
+Engine::Impl::~Impl() {
+  std::unique_lock lock(mu);
+  stopping = true;
+  for (auto& [uid, ref] : inboxes) ref.first->cv.notify_all();
+  for (auto& cp : all_comms()) {
+    if (!cp->exec) continue;
+    std::lock_guard l(cp->exec->mu);
+    cp->exec->closed = true;
+    cp->exec->cv.notify_all();
+  }
+  executors_cv.wait_for(lock, std::chrono::seconds(10), [&] { return executors == 0; });
+}
+
+void Engine::Impl::attach_nodes(const std::shared_ptr<Comm>& cp) {
+  Comm& comm = *cp;
+  auto& ref = inboxes[comm.uid];
+  if (!ref.first) ref.first = std::make_shared<Inbox>();
+  ref.first->claimed = true;
+  ref.second = cp;
+  comm.inbox = ref.first;
+  if (comm.inbox->broken) comm.broken = comm.inbox->broken;
+  comm.exec = std::make_shared<Executor>();
+  ++executors;
+  std::thread([this, ex = comm.exec] { executor_loop(ex); }).detach();
+}
+
+void Engine::Impl::executor_loop(std::shared_ptr<Executor> ex) {
+  for (;;) {
+    std::function<void()> job;
+    {
+      std::unique_lock l(ex->mu);
+      ex->cv.wait(l, [&] { return ex->closed || !ex->jobs.empty(); });
+      if (ex->jobs.empty()) break;
+      job = std::move(ex->jobs.front());
+      ex->jobs.pop_front();
+    }
+    job();
+  }
+  std::lock_guard lock(mu);
+  --executors;
+  executors_cv.notify_all();
+}
+
+void Engine::Impl::release_nodes(Comm& comm) {
+  if (!comm.spans_nodes()) return;
+  if (comm.exec) {
+    std::lock_guard l(comm.exec->mu);
+    comm.exec->closed = true;
+    comm.exec->cv.notify_all();
+  }
+  auto it = inboxes.find(comm.uid);
+  if (it != inboxes.end() && it->second.first == comm.inbox) inboxes.erase(it);
+  comm.inbox->msgs.clear();
+  comm.inbox->p2p.clear();
+  comm.inbox->bytes = 0;
+}
+
+void Engine::Impl::purge_inbox(Comm& comm, std::uint64_t seq) {
+  Inbox& in = *comm.inbox;
+  for (auto it = in.msgs.lower_bound({seq, 0, 0}); it != in.msgs.end() && std::get<0>(it->first) == seq;) {
+    in.bytes -= it->second.payload.storage.size();
+    it = in.msgs.erase(it);
+  }
+  in.failed.erase(seq);
+}
+
+// ---- sending -----------------------------------------------------------------------------
+
+void Engine::Impl::send_node(const std::string& address, std::vector<std::byte> message) {
+  NodeTransport* t = transport.load();
+  if (!t) return;
+  t->send(address, std::move(message), [this, address](Code code, const std::string& why) {
+    if (code == Code::ok) return;
+    // The node cannot be reached: what depends on it fails now, naming it,
+    // rather than at its deadline.
+    log.warn("node_send_failed", {{"peer", address}, {"reason", why}});
+    locked([&](std::vector<Delivery>& out, std::vector<std::function<void()>>& tasks) {
+      handle_node_down(address, "", why, out, tasks);
+    });
+  });
+}
+
+void Engine::Impl::send_broken(Comm& comm, Code code, const std::string& reason) {
+  for (int j = 0; j < static_cast<int>(comm.node_address.size()); ++j) {
+    if (j == comm.my_node) continue;
+    capnp::MallocMessageBuilder mb(256);
+    auto m = mb.initRoot<nodewire::NodeMessage>();
+    m.setFrom(options.rendezvous_address);
+    auto b = m.initBroken();
+    b.setUid(comm.uid);
+    b.setCode(static_cast<std::uint16_t>(code));
+    b.setMessage(reason);
+    send_node(comm.node_address[j], encode(mb));
+  }
+}
+
+void Engine::Impl::send_slot_failed(Comm& comm, std::uint64_t seq, Code code,
+                                    const std::string& reason) {
+  for (int j = 0; j < static_cast<int>(comm.node_address.size()); ++j) {
+    if (j == comm.my_node) continue;
+    capnp::MallocMessageBuilder mb(256);
+    auto m = mb.initRoot<nodewire::NodeMessage>();
+    m.setFrom(options.rendezvous_address);
+    auto f = m.initSlotFailed();
+    f.setUid(comm.uid);
+    f.setSeq(seq);
+    f.setCode(static_cast<std::uint16_t>(code));
+    f.setMessage(reason);
+    send_node(comm.node_address[j], encode(mb));
+  }
+}
+
+namespace {
+void send_join_reply(Engine::Impl& I, const std::string& to, const std::string& key, int rank,
+                     Code code, const std::string& why) {
+  capnp::MallocMessageBuilder mb(256);
+  auto m = mb.initRoot<nodewire::NodeMessage>();
+  m.setFrom(I.options.rendezvous_address);
+  auto r = m.initJoinReply();
+  const auto at = key.find('@');
+  const std::string id = key.substr(0, at);
+  r.setId(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(id.data()), id.size()));
+  r.setRendezvous(key.substr(at + 1));
+  r.setCode(static_cast<std::uint16_t>(code));
+  r.setMessage(why);
+  r.setRank(rank);
+  I.send_node(to, encode(mb));
+}
+}  // namespace
+
+// ---- rendezvous -----------------------------------------------------------------------
+
+std::optional<std::pair<Code, std::string>> Engine::Impl::join_rendezvous(
+    const std::string& key, std::uint32_t nranks, std::uint32_t rank, Joiner joiner,
+    std::vector<Delivery>& out) {
+  auto [it, fresh] = rendezvous.try_emplace(key);
+  Rendezvous& rv = it->second;
+  if (fresh) {
+    rv.name = hex_prefix(key, 4);
+    rv.nranks = static_cast<int>(nranks);
+    rv.joined.resize(nranks);
+    rv.started = Clock::now();
+    rv.deadline = rv.started + options.rendezvous_deadline;
+  }
+  if (rv.nranks != static_cast<int>(nranks)) {
+    return std::make_pair(Code::mismatch, "this rank says " + std::to_string(nranks) +
+                                              " ranks, but earlier ranks said " +
+                                              std::to_string(rv.nranks));
+  }
+  if (rv.joined[rank]) {
+    std::string where = rv.joined[rank]->address.empty() ? "" : " on node " + rv.joined[rank]->node;
+    return std::make_pair(Code::invalid_usage, "rank " + std::to_string(rank) +
+                                                   " already joined (pid " +
+                                                   std::to_string(rv.joined[rank]->pid) + where +
+                                                   ")");
+  }
+  rv.joined[rank] = std::move(joiner);
+  if (++rv.count < rv.nranks) return std::nullopt;
+
+  const bool remote = std::any_of(rv.joined.begin(), rv.joined.end(),
+                                  [](const std::optional<Joiner>& j) { return !j->address.empty(); });
+  if (remote) {
+    finish_rendezvous_across_nodes(key, rv, out);
+    rendezvous.erase(it);
+    return std::nullopt;
+  }
+  auto comm = std::make_shared<Comm>();
+  comm->name = rv.name;
+  comm->nranks = rv.nranks;
+  comm->local_count = rv.nranks;
+  for (int r = 0; r < rv.nranks; ++r) {
+    Member m;
+    m.rank = r;
+    m.session = rv.joined[r]->client.session;
+    m.pid = rv.joined[r]->client.pid;
+    m.handle = next_handle++;
+    handles[m.handle] = {comm, r};
+    comm->members.push_back(std::move(m));
+  }
+  for (int r = 0; r < rv.nranks; ++r) {
+    Result res;
+    res.comm = CommInfo{comm->members[r].handle, static_cast<std::uint32_t>(r),
+                        static_cast<std::uint32_t>(rv.nranks), comm->name};
+    out.push_back({rv.joined[r]->client.sink, rv.joined[r]->request, std::move(res)});
+  }
+  log.info("comm_created",
+           {{"comm", comm->name},
+            {"nranks", comm->nranks},
+            {"rendezvous_ms",
+             std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - rv.started)
+                 .count()}});
+  rendezvous.erase(it);
+  return std::nullopt;
+}
+
+void Engine::Impl::finish_rendezvous_across_nodes(const std::string& key, Rendezvous& rv,
+                                                  std::vector<Delivery>& out) {
+  // Nodes are numbered by their lowest rank: the same on every node.
+  std::vector<std::string> addresses, names;
+  std::map<std::string, int> index;
+  std::vector<int> node_of_rank(rv.nranks);
+  std::vector<pid_t> pids(rv.nranks);
+  std::map<int, Joiner> local;
+  for (int r = 0; r < rv.nranks; ++r) {
+    const Joiner& j = *rv.joined[r];
+    const std::string addr = j.address.empty() ? options.rendezvous_address : j.address;
+    auto [it, fresh] = index.try_emplace(addr, static_cast<int>(addresses.size()));
+    if (fresh) {
+      addresses.push_back(addr);
+      names.push_back(j.address.empty() ? options.node_name : j.node);
+    }
+    node_of_rank[r] = it->second;
+    pids[r] = j.pid;
+    if (j.address.empty()) local[r] = j;
+  }
+  const std::string id = key.substr(0, key.find('@'));
+  const std::string uid = to_hex(id) + "@" + options.rendezvous_address;
+  for (std::size_t n = 0; n < addresses.size(); ++n) {
+    if (addresses[n] == options.rendezvous_address) continue;
+    capnp::MallocMessageBuilder mb(1024);
+    auto m = mb.initRoot<nodewire::NodeMessage>();
+    m.setFrom(options.rendezvous_address);
+    auto r = m.initJoinReply();
+    r.setId(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(id.data()), id.size()));
+    r.setRendezvous(options.rendezvous_address);
+    r.setRank(-1);
+    r.setUid(uid);
+    r.setName(rv.name);
+    auto nor = r.initNodeOfRank(rv.nranks);
+    auto por = r.initPidOfRank(rv.nranks);
+    for (int k = 0; k < rv.nranks; ++k) {
+      nor.set(k, static_cast<std::uint32_t>(node_of_rank[k]));
+      por.set(k, pids[k]);
+    }
+    auto na = r.initNodeAddresses(static_cast<unsigned>(addresses.size()));
+    auto nn = r.initNodeNames(static_cast<unsigned>(names.size()));
+    for (std::size_t k = 0; k < addresses.size(); ++k) {
+      na.set(static_cast<unsigned>(k), addresses[k]);
+      nn.set(static_cast<unsigned>(k), names[k]);
+    }
+    send_node(addresses[n], encode(mb));
+  }
+  if (!local.empty()) {
+    make_spanning_comm(uid, rv.name, node_of_rank, pids, addresses, names, local, out);
+  }
+  log.info("rendezvous_done", {{"comm", rv.name},
+                               {"nranks", rv.nranks},
+                               {"nodes", addresses.size()},
+                               {"rendezvous_ms", std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                     Clock::now() - rv.started)
+                                                     .count()}});
+}
+
+std::shared_ptr<Comm> Engine::Impl::make_spanning_comm(
+    const std::string& uid, const std::string& name, const std::vector<int>& node_of_rank,
+    const std::vector<pid_t>& pids, const std::vector<std::string>& addresses,
+    const std::vector<std::string>& names, const std::map<int, Joiner>& local,
+    std::vector<Delivery>& out) {
+  auto comm = std::make_shared<Comm>();
+  comm->name = name;
+  comm->uid = uid;
+  comm->nranks = static_cast<int>(node_of_rank.size());
+  comm->node_of_rank = node_of_rank;
+  comm->node_address = addresses;
+  comm->node_name = names;
+  comm->my_node = static_cast<int>(
+      std::find(addresses.begin(), addresses.end(), options.rendezvous_address) -
+      addresses.begin());
+  for (int r = 0; r < comm->nranks; ++r) {
+    Member m;
+    m.rank = r;
+    m.pid = pids[r];
+    auto it = local.find(r);
+    if (it != local.end()) {
+      m.session = it->second.client.session;
+      m.handle = next_handle++;
+      handles[m.handle] = {comm, r};
+      ++comm->local_count;
+    } else {
+      m.remote = true;
+    }
+    comm->members.push_back(std::move(m));
+  }
+  attach_nodes(comm);
+  for (const auto& [r, j] : local) {
+    Result res;
+    res.comm = CommInfo{comm->members[r].handle, static_cast<std::uint32_t>(r),
+                        static_cast<std::uint32_t>(comm->nranks), comm->name};
+    out.push_back({j.client.sink, j.request, std::move(res)});
+  }
+  log.info("comm_created", {{"comm", comm->name},
+                            {"nranks", comm->nranks},
+                            {"local_ranks", comm->local_count},
+                            {"nodes", addresses.size()}});
+  return comm;
+}
+
+void Engine::Impl::fail_rendezvous(const std::string& key, Rendezvous& rv, Code code,
+                                   const std::string& why, int except_rank,
+                                   std::vector<Delivery>& out) {
+  for (int r = 0; r < rv.nranks; ++r) {
+    if (!rv.joined[r] || r == except_rank) continue;
+    const std::string msg = "comm_init_rank (communicator " + rv.name + ", rank " +
+                            std::to_string(r) + " of " + std::to_string(rv.nranks) + "): " + why;
+    if (rv.joined[r]->address.empty()) {
+      out.push_back({rv.joined[r]->client.sink, rv.joined[r]->request, error(code, msg)});
+    } else {
+      send_join_reply(*this, rv.joined[r]->address, key, r, code, msg);
+    }
+  }
+}
+
+void Engine::Impl::fail_pending_joins(const std::string& key, int rank, Code code,
+                                      const std::string& why, std::vector<Delivery>& out) {
+  auto [b, e] = pending_joins.equal_range(key);
+  for (auto it = b; it != e;) {
+    if (rank >= 0 && it->second.rank != static_cast<std::uint32_t>(rank)) {
+      ++it;
+      continue;
+    }
+    const PendingJoin& p = it->second;
+    const bool full = why.rfind("comm_init_rank", 0) == 0;
+    out.push_back({p.client.sink, p.request,
+                   error(code, full ? why
+                                    : "comm_init_rank (communicator " + hex_prefix(p.id, 4) +
+                                          ", rank " + std::to_string(p.rank) + " of " +
+                                          std::to_string(p.nranks) + "): " + why)});
+    it = pending_joins.erase(it);
+  }
+}
+
+// ---- operations --------------------------------------------------------------------------
+
+bool Engine::Impl::check_remote_desc(Comm& comm, std::uint64_t seq, std::vector<Delivery>& out) {
+  auto sit = comm.slots.find(seq);
+  if (sit == comm.slots.end() || !sit->second.has_desc || sit->second.failed) return true;
+  Slot& slot = sit->second;
+  for (auto it = comm.inbox->msgs.lower_bound({seq, 0, 0});
+       it != comm.inbox->msgs.end() && std::get<0>(it->first) == seq; ++it) {
+    const NodeIn& in = it->second;
+    if (in.desc == slot.desc) continue;
+    const std::string why = "mismatched operations for sequence number " + std::to_string(seq) +
+                            ": " + comm.who(slot.desc_rank) + " submitted " + slot.desc.str() +
+                            " but " + comm.who(in.desc_rank) + " submitted " + in.desc.str();
+    send_slot_failed(comm, seq, Code::mismatch, why);
+    comm.inbox->failed[seq] = error(Code::mismatch, why, seq);
+    comm.inbox->cv.notify_all();
+    if (!slot.started) {
+      fail_slot(comm, slot, Code::mismatch, why, out);
+      if (slot.arrived >= comm.local_count) end_slot(comm, sit);
+    }
+    return false;
+  }
+  return true;
+}
+
+void Engine::Impl::start_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64_t seq) {
+  std::lock_guard l(cp->exec->mu);
+  cp->exec->jobs.push_back([this, cp, seq] { run_across_nodes(cp, seq); });
+  cp->exec->cv.notify_one();
+}
+
+void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64_t seq) {
+  Comm& comm = *cp;
+  NodeCollective op;
+  Desc desc;
+  int desc_rank = 0;
+  Clock::time_point deadline;
+  std::vector<Span> keep;  // holds the mappings while the operation runs
+  std::vector<std::int32_t> mine;  // split: (rank, color, key) of local ranks
+  {
+    std::lock_guard lock(mu);
+    auto it = comm.slots.find(seq);
+    if (it == comm.slots.end() || it->second.failed) return;
+    Slot& slot = it->second;
+    desc = slot.desc;
+    desc_rank = slot.desc_rank;
+    deadline = slot.deadline;
+    op.kind = desc.kind;
+    op.dtype = desc.dtype;
+    op.redop = desc.redop;
+    op.count = desc.count;
+    op.root = desc.root;
+    op.nranks = comm.nranks;
+    op.node_of_rank = comm.node_of_rank;
+    for (int r = 0; r < comm.nranks; ++r) {
+      if (comm.members[r].remote) continue;
+      const Part& p = slot.parts[r];
+      op.local.push_back(LocalBuffers{r, p.send.ptr, p.send.bytes, p.recv.ptr, p.recv.bytes});
+      keep.push_back(p.send);
+      keep.push_back(p.recv);
+      mine.insert(mine.end(), {r, p.color, p.key});
+    }
+  }
+  EngineChannel ch(*this, cp, seq, desc, desc_rank, deadline, options.operation_deadline);
+  Code code = Code::ok;
+  std::string why;
+  std::vector<std::pair<int, int>> color_key;
+  try {
+    if (desc.kind == OpKind::split) {
+      const auto all = node_exchange(
+          ch, std::as_bytes(std::span<const std::int32_t>(mine)), std::uint64_t{1} << 56);
+      color_key.resize(comm.nranks, {-1, 0});
+      for (const auto& bytes : all) {
+        std::vector<std::int32_t> v(bytes.size() / 4);
+        std::memcpy(v.data(), bytes.data(), v.size() * 4);
+        for (std::size_t k = 0; k + 2 < v.size(); k += 3) {
+          if (v[k] < 0 || v[k] >= comm.nranks) throw Error(Code::protocol, "bad split entry");
+          color_key[v[k]] = {v[k + 1], v[k + 2]};
+        }
+      }
+    } else {
+      run_node_collective(ch, op, algorithms, 0);
+    }
+  } catch (const Error& e) {
+    code = e.code();
+    why = e.what();
+  } catch (const std::exception& e) {
+    code = Code::internal;
+    why = e.what();
+  }
+  keep.clear();
+  std::vector<Delivery> out;
+  std::vector<std::function<void()>> next;
+  {
+    std::lock_guard lock(mu);
+    auto it = comm.slots.find(seq);
+    if (it != comm.slots.end() && !it->second.failed) {
+      Slot& slot = it->second;
+      if (code == Code::ok && desc.kind == OpKind::split) {
+        std::map<int, CommInfo> info;
+        make_split_children(cp, seq, color_key, info);
+        for (int r = 0; r < comm.nranks; ++r) {
+          Part& part = slot.parts[r];
+          if (!part.present) continue;
+          Result res;
+          res.seq = seq;
+          res.comm = info.count(r) ? info[r] : CommInfo{};
+          out.push_back({part.sink, part.request, std::move(res)});
+          part.present = false;
+        }
+      }
+      if (code == Code::ok) {
+        complete_slot(comm, seq, out);
+      } else {
+        if (!ch.remote_failure) send_slot_failed(comm, seq, code, why);
+        log.warn("operation_failed", {{"comm", comm.name},
+                                      {"seq", seq},
+                                      {"op", to_string(desc.kind)},
+                                      {"reason", why}});
+        fail_slot(comm, slot, code, why, out);
+        end_slot(comm, it);
+      }
+    }
+    progress(cp, out, next);
+  }
+  pool.submit_all(std::move(next));
+  deliver(out);
+}
+
+void Engine::Impl::make_split_children(const std::shared_ptr<Comm>& cp, std::uint64_t seq,
+                                       const std::vector<std::pair<int, int>>& color_key,
+                                       std::map<int, CommInfo>& info) {
+  Comm& parent = *cp;
+  std::map<int, std::vector<int>> by_color;
+  for (int r = 0; r < parent.nranks; ++r) {
+    if (color_key[r].first >= 0) by_color[color_key[r].first].push_back(r);
+  }
+  for (auto& [color, ranks] : by_color) {
+    std::stable_sort(ranks.begin(), ranks.end(), [&](int a, int b) {
+      return std::tie(color_key[a].second, a) < std::tie(color_key[b].second, b);
+    });
+    const bool mine = std::any_of(ranks.begin(), ranks.end(),
+                                  [&](int r) { return !parent.members[r].remote; });
+    if (!mine) continue;
+    auto child = std::make_shared<Comm>();
+    child->name = parent.name + "." + std::to_string(color);
+    child->nranks = static_cast<int>(ranks.size());
+    if (parent.spans_nodes()) {
+      // The child's nodes, numbered by their lowest child rank.
+      std::map<int, int> index;  // parent node -> child node
+      for (int r : ranks) {
+        const int pn = parent.node_of_rank[r];
+        auto [it, fresh] = index.try_emplace(pn, static_cast<int>(child->node_address.size()));
+        if (fresh) {
+          child->node_address.push_back(parent.node_address[pn]);
+          child->node_name.push_back(parent.node_name[pn]);
+        }
+        child->node_of_rank.push_back(it->second);
+      }
+      child->my_node = index.count(parent.my_node) ? index[parent.my_node] : 0;
+      if (child->spans_nodes()) {
+        child->uid = parent.uid + "/" + std::to_string(seq) + "." + std::to_string(color);
+      } else {
+        child->node_address.clear();
+        child->node_name.clear();
+        child->node_of_rank.clear();
+      }
+    }
+    for (int i = 0; i < child->nranks; ++i) {
+      const Member& pm = parent.members[ranks[i]];
+      Member m;
+      m.rank = i;
+      m.session = pm.session;
+      m.pid = pm.pid;
+      m.remote = pm.remote;
+      if (!m.remote) {
+        m.handle = next_handle++;
+        handles[m.handle] = {child, i};
+        ++child->local_count;
+        info[ranks[i]] = CommInfo{m.handle, static_cast<std::uint32_t>(i),
+                                  static_cast<std::uint32_t>(child->nranks), child->name};
+      }
+      child->members.push_back(std::move(m));
+    }
+    if (child->spans_nodes()) attach_nodes(child);
+    log.info("comm_created", {{"comm", child->name},
+                              {"nranks", child->nranks},
+                              {"parent", parent.name},
+                              {"color", color},
+                              {"nodes", std::max<std::size_t>(1, child->node_address.size())}});
+  }
+}
+
+void Engine::Impl::start_remote_item(const std::shared_ptr<Comm>& cp,
+                                     const std::shared_ptr<Group>& g, P2PItem& item,
+                                     std::vector<Delivery>& out,
+                                     std::vector<std::function<void()>>& tasks) {
+  Comm& comm = *cp;
+  if (item.is_send) {
+    item.started = true;
+    const std::string address = comm.node_address[comm.node_of_rank[item.peer]];
+    const std::string node = comm.node_text(comm.node_of_rank[item.peer]);
+    tasks.push_back([this, cp, g, address, node, span = item.span, peer = item.peer,
+                     index = item.index, count = item.count, dtype = item.dtype] {
+      capnp::MallocMessageBuilder mb(128);
+      auto m = mb.initRoot<nodewire::NodeMessage>();
+      m.setFrom(options.rendezvous_address);
+      auto d = m.initData();
+      d.setUid(cp->uid);
+      d.setP2p(true);
+      d.setFromRank(static_cast<std::uint32_t>(g->rank));
+      d.setToRank(static_cast<std::uint32_t>(peer));
+      d.setIndex(index);
+      d.setCount(count);
+      d.setDtype(static_cast<std::uint8_t>(dtype));
+      d.setFromNode(static_cast<std::uint32_t>(cp->my_node));
+      const std::span<const std::byte> piece(span.ptr, span.bytes);
+      auto bytes = encode(mb, std::span<const std::span<const std::byte>>(&piece, 1));
+      NodeTransport* t = transport.load();
+      if (!t) return;
+      // The send is done (eagerly) once the bytes are in the connection.
+      t->send(address, std::move(bytes),
+                      [this, cp, g, peer, node](Code code, const std::string& why) {
+                        locked([&](std::vector<Delivery>& out2,
+                                   std::vector<std::function<void()>>& tasks2) {
+                          if (code != Code::ok) {
+                            fail_group(*cp, *g, code,
+                                       "send to rank " + std::to_string(peer) + " on node " +
+                                           node + " failed: " + why,
+                                       out2);
+                          } else {
+                            item_done(*cp, *g, out2);
+                          }
+                          progress(cp, out2, tasks2);
+                        });
+                      });
+    });
+    return;
+  }
+  auto it = comm.inbox->p2p.find({item.peer, g->rank, item.index});
+  if (it == comm.inbox->p2p.end()) return;  // not here yet: progress() runs again when it is
+  item.started = true;
+  auto in = std::make_shared<NodeIn>(std::move(it->second));
+  comm.inbox->bytes -= in->payload.storage.size();
+  comm.inbox->p2p.erase(it);
+  if (in->dtype != item.dtype || in->payload.size != item.count * dtype_size(item.dtype)) {
+    fail_group(comm, *g, Code::mismatch,
+               "mismatched send/recv: rank " + std::to_string(item.peer) + " sends " +
+                   std::to_string(in->count) + " " + std::string(to_string(in->dtype)) +
+                   " to rank " + std::to_string(g->rank) + " but rank " +
+                   std::to_string(g->rank) + " receives " + std::to_string(item.count) + " " +
+                   std::string(to_string(item.dtype)) + " from rank " + std::to_string(item.peer),
+               out);
+    return;
+  }
+  tasks.push_back([this, cp, g, span = item.span, in] {
+    if (span.bytes != 0) std::memcpy(span.ptr, in->payload.data(), span.bytes);
+    locked([&](std::vector<Delivery>& out2, std::vector<std::function<void()>>& tasks2) {
+      item_done(*cp, *g, out2);
+      progress(cp, out2, tasks2);
+    });
+  });
+}
+
+// ---- what arrives from other nodes -------------------------------------------------------
+
+void Engine::Impl::handle_node_message(const std::string& peer, std::vector<std::byte> bytes,
+                                       std::vector<Delivery>& out,
+                                       std::vector<std::function<void()>>& tasks) {
+  auto d = decode(std::move(bytes));
+  auto msg = d->msg;
+  const std::string from = text(msg.getFrom());
+  switch (msg.which()) {
+    case nodewire::NodeMessage::JOIN: {
+      auto j = msg.getJoin();
+      const std::string id = data(j.getId());
+      const std::string rv_addr = text(j.getRendezvous());
+      const std::string key = id + "@" + rv_addr;
+      const std::uint32_t nranks = j.getNranks(), rank = j.getRank();
+      auto refuse = [&](Code code, const std::string& why) {
+        send_join_reply(*this, from, key, static_cast<int>(rank), code,
+                        "comm_init_rank (communicator " + hex_prefix(id, 4) + ", rank " +
+                            std::to_string(rank) + " of " + std::to_string(nranks) + "): " + why);
+      };
+      if (stopping) return refuse(Code::aborted, "the rendezvous daemon is stopping");
+      if (rv_addr != options.rendezvous_address) {
+        return refuse(Code::invalid_argument, "the unique id names " + rv_addr + ", but node " +
+                                                  options.node_name + " is " +
+                                                  options.rendezvous_address);
+      }
+      if (id.size() != 16 || nranks == 0 || nranks > 65536 || rank >= nranks) {
+        return refuse(Code::invalid_argument, "malformed join");
+      }
+      Joiner joiner;
+      joiner.address = from;
+      joiner.node = text(j.getNode());
+      joiner.pid = j.getPid();
+      if (auto err = join_rendezvous(key, nranks, rank, std::move(joiner), out)) {
+        refuse(err->first, err->second);
+      }
+      return;
+    }
+    case nodewire::NodeMessage::JOIN_REPLY: {
+      auto r = msg.getJoinReply();
+      const std::string key = data(r.getId()) + "@" + text(r.getRendezvous());
+      if (r.getCode() != 0) {
+        fail_pending_joins(key, r.getRank(), static_cast<Code>(r.getCode()), text(r.getMessage()),
+                           out);
+        return;
+      }
+      const auto nor = r.getNodeOfRank();
+      const auto por = r.getPidOfRank();
+      const auto na = r.getNodeAddresses();
+      const auto nn = r.getNodeNames();
+      if (por.size() != nor.size() || na.size() != nn.size() || na.size() < 2) {
+        throw Error(Code::protocol, "malformed join reply");
+      }
+      std::vector<int> node_of_rank;
+      std::vector<pid_t> pids;
+      std::vector<std::string> addresses, names;
+      for (auto v : nor) {
+        if (v >= na.size()) throw Error(Code::protocol, "join reply: node index out of range");
+        node_of_rank.push_back(static_cast<int>(v));
+      }
+      for (auto v : por) pids.push_back(v);
+      for (auto t : na) addresses.push_back(text(t));
+      for (auto t : nn) names.push_back(text(t));
+      const auto me = std::find(addresses.begin(), addresses.end(), options.rendezvous_address);
+      if (me == addresses.end()) throw Error(Code::protocol, "join reply: this node is not in it");
+      const int my_node = static_cast<int>(me - addresses.begin());
+      std::map<int, Joiner> local;
+      std::vector<int> lost;  // local ranks of the map whose client is gone
+      auto [b, e] = pending_joins.equal_range(key);
+      for (auto it = b; it != e; ++it) {
+        Joiner j;
+        j.client = it->second.client;
+        j.request = it->second.request;
+        j.pid = it->second.client.pid;
+        local[static_cast<int>(it->second.rank)] = j;
+      }
+      for (std::size_t k = 0; k < node_of_rank.size(); ++k) {
+        if (node_of_rank[k] == my_node && !local.count(static_cast<int>(k))) {
+          lost.push_back(static_cast<int>(k));
+        }
+      }
+      pending_joins.erase(key);
+      auto comm = make_spanning_comm(text(r.getUid()), text(r.getName()), node_of_rank, pids,
+                                     addresses, names, local, out);
+      if (!lost.empty()) {
+        break_comm(*comm, Code::remote,
+                   "rank " + rank_list(lost) + " on node " + options.node_name +
+                       " disconnected while the communicator was being created",
+                   out);
+      }
+      return;
+    }
+    case nodewire::NodeMessage::JOIN_CANCEL: {
+      auto c = msg.getJoinCancel();
+      const std::string key = data(c.getId()) + "@" + text(c.getRendezvous());
+      auto it = rendezvous.find(key);
+      if (it == rendezvous.end()) return;
+      Rendezvous& rv = it->second;
+      const auto rank = c.getRank();
+      if (rank >= static_cast<std::uint32_t>(rv.nranks) || !rv.joined[rank] ||
+          rv.joined[rank]->address != from) {
+        return;
+      }
+      fail_rendezvous(key, rv, Code::remote,
+                      "rank " + std::to_string(rank) + " (pid " +
+                          std::to_string(rv.joined[rank]->pid) + " on node " +
+                          rv.joined[rank]->node + ") " + text(c.getMessage()),
+                      static_cast<int>(rank), out);
+      rendezvous.erase(it);
+      return;
+    }
+    case nodewire::NodeMessage::DATA: {
+      auto dm = msg.getData();
+      const std::string uid = text(dm.getUid());
+      auto& ref = inboxes[uid];
+      if (!ref.first) {
+        // Its communicator does not exist here yet (the join reply is on its
+        // way): kept for a while.
+        ref.first = std::make_shared<Inbox>();
+        ref.first->expires = Clock::now() + 2 * options.rendezvous_deadline;
+      }
+      Inbox& in = *ref.first;
+      auto cp = ref.second.lock();
+      NodeIn item;
+      item.desc = desc_of(dm);
+      item.desc_rank = static_cast<int>(dm.getDescRank());
+      item.count = dm.getCount();
+      item.dtype = static_cast<DType>(dm.getDtype());
+      const bool p2p = dm.getP2p();
+      const std::uint64_t seq = dm.getSeq(), tag = dm.getTag(), index = dm.getIndex();
+      const int from_node = static_cast<int>(dm.getFromNode());
+      const int from_rank = static_cast<int>(dm.getFromRank()), to_rank = static_cast<int>(dm.getToRank());
+      item.payload.offset = d->raw_offset;
+      item.payload.size = d->bytes.size() - d->raw_offset;
+      item.payload.storage = std::move(d->bytes);
+      if (p2p) {
+        in.bytes += item.payload.storage.size();
+        in.p2p[{from_rank, to_rank, index}] = std::move(item);
+        if (cp) progress(cp, out, tasks);
+        return;
+      }
+      if (cp && cp->is_ended(seq)) return;  // a failed operation's late data
+      in.bytes += item.payload.storage.size();
+      in.msgs[{seq, tag, from_node}] = std::move(item);
+      in.cv.notify_all();
+      if (cp) check_remote_desc(*cp, seq, out);
+      return;
+    }
+    case nodewire::NodeMessage::BROKEN: {
+      auto b = msg.getBroken();
+      auto it = inboxes.find(text(b.getUid()));
+      if (it == inboxes.end()) return;
+      const Code code = static_cast<Code>(b.getCode());
+      const std::string why = text(b.getMessage());
+      if (auto cp = it->second.second.lock()) {
+        break_comm(*cp, code, why, out, false);
+        progress(cp, out, tasks);
+      } else {
+        it->second.first->broken = error(code, why);
+      }
+      return;
+    }
+    case nodewire::NodeMessage::SLOT_FAILED: {
+      auto f = msg.getSlotFailed();
+      auto it = inboxes.find(text(f.getUid()));
+      if (it == inboxes.end()) return;
+      auto cp = it->second.second.lock();
+      const std::uint64_t seq = f.getSeq();
+      const Code code = static_cast<Code>(f.getCode());
+      const std::string why = text(f.getMessage());
+      if (cp && cp->is_ended(seq)) return;
+      it->second.first->failed[seq] = error(code, why, seq);
+      it->second.first->cv.notify_all();
+      if (!cp) return;
+      Comm& comm = *cp;
+      auto [sit, fresh] = comm.slots.try_emplace(seq);
+      Slot& slot = sit->second;
+      if (fresh) {
+        slot.seq = seq;
+        slot.parts.resize(comm.nranks);
+        slot.created = Clock::now();
+        slot.deadline = slot.created + options.operation_deadline;
+      }
+      if (!slot.started && !slot.failed) {
+        fail_slot(comm, slot, code, why, out);
+        if (slot.arrived >= comm.local_count) end_slot(comm, sit);
+      }
+      progress(cp, out, tasks);
+      return;
+    }
+    default:
+      throw Error(Code::protocol, "unknown message from " + peer);
+  }
+}
+
+void Engine::Impl::handle_node_down(const std::string& address, const std::string& node,
+                                    const std::string& why, std::vector<Delivery>& out,
+                                    std::vector<std::function<void()>>& tasks) {
+  const std::string who = "node " + (node.empty() ? address : node + " (" + address + ")");
+  // Ranks here waiting for that node's rendezvous.
+  std::set<std::string> keys;
+  for (auto& [key, p] : pending_joins) {
+    if (p.rendezvous == address) keys.insert(key);
+  }
+  for (const auto& key : keys) {
+    fail_pending_joins(key, -1, Code::unavailable,
+                       "the rendezvous daemon, " + who + ", went away: " + why, out);
+  }
+  // Rendezvous here with ranks from that node.
+  for (auto it = rendezvous.begin(); it != rendezvous.end();) {
+    Rendezvous& rv = it->second;
+    const bool involved = std::any_of(rv.joined.begin(), rv.joined.end(), [&](const auto& j) {
+      return j && j->address == address;
+    });
+    if (!involved) {
+      ++it;
+      continue;
+    }
+    fail_rendezvous(it->first, rv, Code::remote, "ranks on " + who + " went away: " + why, -1,
+                    out);
+    it = rendezvous.erase(it);
+  }
+  for (auto& cp : all_comms()) {
+    if (!cp->spans_nodes()) continue;
+    const auto n = std::find(cp->node_address.begin(), cp->node_address.end(), address);
+    if (n == cp->node_address.end()) continue;
+    const int idx = static_cast<int>(n - cp->node_address.begin());
+    break_comm(*cp, Code::remote,
+               "node " + cp->node_text(idx) + ", which hosts " + ranks_text(*cp, idx) +
+                   ", is unreachable: " + why,
+               out, false);
+    progress(cp, out, tasks);
+  }
+}
+
+void Engine::Impl::check_node_deadlines(Clock::time_point now, std::vector<Delivery>& out) {
+  std::set<std::string> expired;
+  for (auto& [key, p] : pending_joins) {
+    if (now >= p.deadline) expired.insert(key);
+  }
+  for (const auto& key : expired) {
+    auto it = pending_joins.find(key);
+    fail_pending_joins(key, -1, Code::timeout,
+                       "no answer from the rendezvous daemon " + it->second.rendezvous +
+                           " within " +
+                           std::to_string(options.rendezvous_deadline.count()) +
+                           " ms (deadlines.rendezvous_ms): not every rank joined there, or it "
+                           "cannot be reached",
+                       out);
+  }
+  for (auto it = inboxes.begin(); it != inboxes.end();) {
+    if (!it->second.first->claimed && now >= it->second.first->expires) {
+      it = inboxes.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Engine::Impl::node_client_gone(std::uint64_t session, std::vector<Delivery>& out) {
+  for (auto it = pending_joins.begin(); it != pending_joins.end();) {
+    if (it->second.client.session != session) {
+      ++it;
+      continue;
+    }
+    const PendingJoin& p = it->second;
+    capnp::MallocMessageBuilder mb(256);
+    auto m = mb.initRoot<nodewire::NodeMessage>();
+    m.setFrom(options.rendezvous_address);
+    auto c = m.initJoinCancel();
+    c.setId(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(p.id.data()), p.id.size()));
+    c.setRendezvous(p.rendezvous);
+    c.setRank(p.rank);
+    c.setMessage("disconnected before all ranks joined");
+    send_node(p.rendezvous, encode(mb));
+    it = pending_joins.erase(it);
+  }
+  (void)out;
+}
+
+void Engine::Impl::node_shutdown(const std::string& reason, std::vector<Delivery>& out) {
+  std::set<std::string> keys;
+  for (auto& [key, p] : pending_joins) keys.insert(key);
+  for (const auto& key : keys) fail_pending_joins(key, -1, Code::aborted, reason, out);
+  for (auto& [uid, ref] : inboxes) ref.first->cv.notify_all();
+}
+
+// ---- the public side -----------------------------------------------------------------------
+
+void Engine::set_node_transport(NodeTransport* transport) {
+  std::lock_guard lock(impl_->mu);
+  impl_->transport = transport;
+}
+
+void Engine::set_node_algorithms(const NodeAlgorithmOptions& options) {
+  std::lock_guard lock(impl_->mu);
+  impl_->algorithms = options;
+}
+
+void Engine::node_message(const std::string& peer, std::vector<std::byte> message) {
+  Impl& I = *impl_;
+  I.locked([&](std::vector<Delivery>& out, std::vector<std::function<void()>>& tasks) {
+    try {
+      I.handle_node_message(peer, std::move(message), out, tasks);
+    } catch (const Error& e) {
+      I.log.warn("node_message_refused", {{"peer", peer}, {"reason", e.what()}});
+    } catch (const kj::Exception& e) {
+      I.log.warn("node_message_refused",
+                 {{"peer", peer}, {"reason", std::string(e.getDescription().cStr())}});
+    }
+  });
+}
+
+void Engine::node_down(const std::string& address, const std::string& node,
+                       const std::string& why) {
+  Impl& I = *impl_;
+  I.locked([&](std::vector<Delivery>& out, std::vector<std::function<void()>>& tasks) {
+    I.handle_node_down(address, node, why, out, tasks);
+  });
+}
+
+}  // namespace collectived::engine

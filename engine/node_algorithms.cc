@@ -1,0 +1,448 @@
+#include "engine/node_algorithms.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "engine/reduce.h"
+#include "ipc/error.h"
+
+namespace collectived::engine {
+
+namespace {
+
+/// A byte range of a buffer.
+struct Range {
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;
+};
+/// What one node owns of a buffer: ranges in order, read as one concatenation.
+using Segment = std::vector<Range>;
+
+std::uint64_t segment_bytes(const Segment& s) {
+  std::uint64_t n = 0;
+  for (const auto& r : s) n += r.bytes;
+  return n;
+}
+
+/// Calls fn(pointer into buf, offset within [from, to), length) for the bytes
+/// [from, to) of the concatenation of `seg`.
+template <typename Fn>
+void for_pieces(std::byte* buf, const Segment& seg, std::uint64_t from, std::uint64_t to, Fn&& fn) {
+  std::uint64_t pos = 0;
+  for (const auto& r : seg) {
+    const std::uint64_t a = std::max(from, pos);
+    const std::uint64_t b = std::min(to, pos + r.bytes);
+    if (a < b) fn(buf + r.offset + (a - pos), a - from, b - a);
+    pos += r.bytes;
+    if (pos >= to) break;
+  }
+}
+
+std::vector<std::span<const std::byte>> pieces_of(std::byte* buf, const Segment& seg,
+                                                  std::uint64_t from, std::uint64_t to) {
+  std::vector<std::span<const std::byte>> out;
+  for_pieces(buf, seg, from, to, [&](std::byte* p, std::uint64_t, std::uint64_t len) {
+    out.emplace_back(p, len);
+  });
+  return out;
+}
+
+// Tags: [phase:8][step:16][chunk:24] above the operation's base.
+std::uint64_t tag_of(std::uint64_t base, std::uint64_t phase, std::uint64_t step,
+                     std::uint64_t chunk) {
+  return base + (phase << 40) + (step << 24) + chunk;
+}
+
+void expect_size(const NodePayload& m, std::uint64_t want, int from) {
+  if (m.size != want) {
+    throw Error(Code::mismatch, "node " + std::to_string(from) + " sent " +
+                                    std::to_string(m.size) + " bytes where " +
+                                    std::to_string(want) + " were expected");
+  }
+}
+
+void reduce2(DType dtype, RedOp op, std::byte* dst, const std::byte* incoming, std::uint64_t bytes) {
+  const void* srcs[2] = {incoming, dst};
+  reduce(dtype, op, dst, srcs, 2, bytes / dtype_size(dtype), 1);
+}
+
+void copy_bytes(std::byte* dst, const std::byte* src, std::uint64_t bytes) {
+  if (bytes != 0 && dst != src) std::memmove(dst, src, bytes);
+}
+
+class Algorithms {
+ public:
+  Algorithms(NodeChannel& ch, const NodeAlgorithmOptions& o, std::uint64_t base)
+      : ch_(ch), n_(ch.nodes()), i_(ch.node()), chunk_(std::max<std::size_t>(o.chunk_bytes, 64) & ~std::size_t{63}),
+        base_(base) {}
+
+  int mod(long x) const { return static_cast<int>(((x % n_) + n_) % n_); }
+  std::uint64_t chunks(std::uint64_t bytes) const { return (bytes + chunk_ - 1) / chunk_; }
+
+  /// Ring reduce-scatter: afterwards node j's segment of `buf` holds the
+  /// reduction over all nodes. Step s: node i sends segment i-s-1 to the right
+  /// and reduces segment i-s-2 from the left into its own copy, then forwards
+  /// that chunk at step s+1.
+  void ring_reduce_scatter(std::byte* buf, const std::vector<Segment>& segs, DType dtype,
+                           RedOp op, std::uint64_t phase) {
+    if (n_ == 1) return;
+    const int right = mod(i_ + 1), left = mod(i_ - 1);
+    send_segment(right, buf, segs[mod(i_ - 1)], phase, 0);
+    for (int s = 0; s + 1 < n_; ++s) {
+      const Segment& seg = segs[mod(i_ - s - 2)];
+      const std::uint64_t total = segment_bytes(seg);
+      for (std::uint64_t c = 0; c < chunks(total); ++c) {
+        const std::uint64_t from = c * chunk_, to = std::min(total, from + chunk_);
+        NodePayload m = ch_.recv(left, tag_of(base_, phase, s, c));
+        expect_size(m, to - from, left);
+        for_pieces(buf, seg, from, to, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
+          reduce2(dtype, op, p, m.data() + off, len);
+        });
+        if (s + 2 < n_) {
+          const auto pieces = pieces_of(buf, seg, from, to);
+          ch_.send(right, tag_of(base_, phase, s + 1, c), pieces);
+        }
+      }
+    }
+  }
+
+  /// Ring all-gather: node i's own segment is in `buf`; afterwards every
+  /// segment is. Each chunk is forwarded as soon as it arrives.
+  void ring_all_gather(std::byte* buf, const std::vector<Segment>& segs, std::uint64_t phase) {
+    if (n_ == 1) return;
+    const int right = mod(i_ + 1), left = mod(i_ - 1);
+    send_segment(right, buf, segs[i_], phase, 0);
+    for (int s = 0; s + 1 < n_; ++s) {
+      const Segment& seg = segs[mod(i_ - s - 1)];
+      const std::uint64_t total = segment_bytes(seg);
+      for (std::uint64_t c = 0; c < chunks(total); ++c) {
+        const std::uint64_t from = c * chunk_, to = std::min(total, from + chunk_);
+        NodePayload m = ch_.recv(left, tag_of(base_, phase, s, c));
+        expect_size(m, to - from, left);
+        for_pieces(buf, seg, from, to, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
+          std::memcpy(p, m.data() + off, len);
+        });
+        if (s + 2 < n_) ch_.send(right, tag_of(base_, phase, s + 1, c), m.data(), m.size);
+      }
+    }
+  }
+
+  /// Direct all-gather: every node sends its segment to every other one.
+  void direct_all_gather(std::byte* buf, const std::vector<Segment>& segs, std::uint64_t phase) {
+    const std::uint64_t mine = segment_bytes(segs[i_]);
+    const auto pieces = pieces_of(buf, segs[i_], 0, mine);
+    for (int j = 0; j < n_; ++j) {
+      if (j != i_) ch_.send(j, tag_of(base_, phase, 0, 0), pieces);
+    }
+    for (int j = 0; j < n_; ++j) {
+      if (j == i_) continue;
+      NodePayload m = ch_.recv(j, tag_of(base_, phase, 0, 0));
+      const std::uint64_t total = segment_bytes(segs[j]);
+      expect_size(m, total, j);
+      for_pieces(buf, segs[j], 0, total, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
+        std::memcpy(p, m.data() + off, len);
+      });
+    }
+  }
+
+  /// Direct all-reduce of `bytes` at `buf`: one round, then every node reduces
+  /// the N contributions in node order (so all get the same bits).
+  void direct_all_reduce(std::byte* buf, std::uint64_t bytes, DType dtype, RedOp op,
+                         std::uint64_t phase) {
+    for (int j = 0; j < n_; ++j) {
+      if (j != i_) ch_.send(j, tag_of(base_, phase, 0, 0), buf, bytes);
+    }
+    std::vector<NodePayload> in(n_);
+    std::vector<const void*> srcs(n_);
+    for (int j = 0; j < n_; ++j) {
+      if (j == i_) {
+        srcs[j] = buf;
+        continue;
+      }
+      in[j] = ch_.recv(j, tag_of(base_, phase, 0, 0));
+      expect_size(in[j], bytes, j);
+      srcs[j] = in[j].data();
+    }
+    reduce(dtype, op, buf, srcs.data(), srcs.size(), bytes / dtype_size(dtype), 1);
+  }
+
+  /// Broadcast of `bytes` at `buf` from node `root`: direct or a pipelined chain.
+  void broadcast(std::byte* buf, std::uint64_t bytes, int root, bool direct, std::uint64_t phase) {
+    if (direct) {
+      if (i_ == root) {
+        for (int j = 0; j < n_; ++j) {
+          if (j != i_) ch_.send(j, tag_of(base_, phase, 0, 0), buf, bytes);
+        }
+      } else {
+        NodePayload m = ch_.recv(root, tag_of(base_, phase, 0, 0));
+        expect_size(m, bytes, root);
+        copy_bytes(buf, m.data(), bytes);
+      }
+      return;
+    }
+    const int pos = mod(i_ - root);
+    const int prev = mod(i_ - 1), next = mod(i_ + 1);
+    const bool has_next = pos + 1 < n_;
+    const std::uint64_t nc = std::max<std::uint64_t>(chunks(bytes), 1);
+    for (std::uint64_t c = 0; c < nc; ++c) {
+      const std::uint64_t from = c * chunk_, len = std::min<std::uint64_t>(bytes - std::min(bytes, from), chunk_);
+      if (pos == 0) {
+        ch_.send(next, tag_of(base_, phase, 0, c), buf + from, len);
+        continue;
+      }
+      NodePayload m = ch_.recv(prev, tag_of(base_, phase, 0, c));
+      expect_size(m, len, prev);
+      if (has_next) ch_.send(next, tag_of(base_, phase, 0, c), m.data(), m.size);
+      copy_bytes(buf + from, m.data(), len);
+    }
+  }
+
+  /// Pipelined chain reduce toward node `root`: the chain starts at root+1 and
+  /// ends at root, whose `buf` then holds the reduction over all nodes.
+  void chain_reduce(std::byte* buf, std::uint64_t bytes, int root, DType dtype, RedOp op,
+                    std::uint64_t phase) {
+    const int pos = mod(i_ - root - 1);
+    const int prev = mod(i_ - 1), next = mod(i_ + 1);
+    const std::uint64_t nc = std::max<std::uint64_t>(chunks(bytes), 1);
+    for (std::uint64_t c = 0; c < nc; ++c) {
+      const std::uint64_t from = c * chunk_, len = std::min<std::uint64_t>(bytes - std::min(bytes, from), chunk_);
+      if (pos > 0) {
+        NodePayload m = ch_.recv(prev, tag_of(base_, phase, 0, c));
+        expect_size(m, len, prev);
+        if (len != 0) reduce2(dtype, op, buf + from, m.data(), len);
+      }
+      if (pos + 1 < n_) ch_.send(next, tag_of(base_, phase, 0, c), buf + from, len);
+    }
+  }
+
+ private:
+  void send_segment(int to, std::byte* buf, const Segment& seg, std::uint64_t phase,
+                    std::uint64_t step) {
+    const std::uint64_t total = segment_bytes(seg);
+    for (std::uint64_t c = 0; c < chunks(total); ++c) {
+      const std::uint64_t from = c * chunk_, to_byte = std::min(total, from + chunk_);
+      const auto pieces = pieces_of(buf, seg, from, to_byte);
+      ch_.send(to, tag_of(base_, phase, step, c), pieces);
+    }
+  }
+
+  NodeChannel& ch_;
+  int n_, i_;
+  std::size_t chunk_;
+  std::uint64_t base_;
+};
+
+bool use_direct(std::uint64_t bytes, const NodeAlgorithmOptions& o) {
+  if (o.algorithm == "direct") return true;
+  if (o.algorithm == "ring") return false;
+  return bytes <= o.direct_max_bytes;
+}
+
+/// Segments of a contiguous buffer of `count` elements split evenly by node.
+std::vector<Segment> even_segments(std::uint64_t count, std::size_t es, int n) {
+  std::vector<Segment> segs(n);
+  std::uint64_t at = 0;
+  for (int j = 0; j < n; ++j) {
+    const std::uint64_t elems = count / n + (static_cast<std::uint64_t>(j) < count % n ? 1 : 0);
+    segs[j].push_back(Range{at * es, elems * es});
+    at += elems;
+  }
+  return segs;
+}
+
+/// Segments made of rank blocks of `block` bytes: node j owns its ranks' blocks.
+std::vector<Segment> rank_segments(const std::vector<int>& node_of_rank, std::uint64_t block,
+                                   int n) {
+  std::vector<Segment> segs(n);
+  for (std::size_t r = 0; r < node_of_rank.size(); ++r) {
+    segs[node_of_rank[r]].push_back(Range{r * block, block});
+  }
+  return segs;
+}
+
+}  // namespace
+
+std::string node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
+                           const NodeAlgorithmOptions& options) {
+  if (nodes <= 1) return "none";
+  switch (kind) {
+    case OpKind::all_reduce:
+    case OpKind::all_gather:
+      return use_direct(bytes, options) ? "direct" : "ring";
+    case OpKind::reduce_scatter: return "ring";
+    case OpKind::broadcast: return use_direct(bytes, options) ? "direct" : "chain";
+    case OpKind::reduce: return "chain";
+    default: return "exchange";
+  }
+}
+
+std::vector<std::vector<std::byte>> node_exchange(NodeChannel& channel,
+                                                  std::span<const std::byte> mine,
+                                                  std::uint64_t tag) {
+  const int n = channel.nodes(), me = channel.node();
+  for (int j = 0; j < n; ++j) {
+    if (j != me) channel.send(j, tag, mine.data(), mine.size());
+  }
+  std::vector<std::vector<std::byte>> all(n);
+  for (int j = 0; j < n; ++j) {
+    if (j == me) {
+      all[j].assign(mine.begin(), mine.end());
+      continue;
+    }
+    NodePayload m = channel.recv(j, tag);
+    all[j].assign(m.data(), m.data() + m.size);
+  }
+  return all;
+}
+
+void run_node_collective(NodeChannel& ch, const NodeCollective& op,
+                         const NodeAlgorithmOptions& options, std::uint64_t base) {
+  const int n = ch.nodes(), me = ch.node();
+  const std::size_t es = dtype_size(op.dtype);
+  const std::uint64_t one = op.count * es;
+  const auto& L = op.local;
+  if (L.empty()) throw Error(Code::internal, "a node collective without local ranks");
+  // avg is a sum until the very end, where it is divided once by nranks.
+  const RedOp combine = op.redop == RedOp::avg ? RedOp::sum : op.redop;
+  auto finish_avg = [&](std::byte* p, std::uint64_t bytes) {
+    if (op.redop != RedOp::avg || bytes == 0) return;
+    const void* src[1] = {p};
+    reduce(op.dtype, RedOp::avg, p, src, 1, bytes / es, static_cast<std::size_t>(op.nranks));
+  };
+  auto local_reduce = [&](std::byte* dst, std::uint64_t bytes) {
+    if (bytes == 0) return;
+    std::vector<const void*> srcs;
+    for (const auto& b : L) srcs.push_back(b.send);
+    reduce(op.dtype, combine, dst, srcs.data(), srcs.size(), bytes / es, 1);
+  };
+  Algorithms algo(ch, options, base);
+
+  // An operation of zero bytes still meets every other node once, so that a
+  // node whose ranks disagree (a non-zero count, another operation) is told.
+  if (one == 0 && op.kind != OpKind::barrier) {
+    node_exchange(ch, {}, tag_of(base, 15, 0, 0));
+    return;
+  }
+  switch (op.kind) {
+    case OpKind::barrier:
+      node_exchange(ch, {}, tag_of(base, 15, 0, 0));
+      return;
+    case OpKind::all_reduce: {
+      std::byte* w = L[0].recv;
+      local_reduce(w, one);
+      if (use_direct(one, options)) {
+        if (n > 1) algo.direct_all_reduce(w, one, op.dtype, combine, 1);
+      } else {
+        const auto segs = even_segments(op.count, es, n);
+        algo.ring_reduce_scatter(w, segs, op.dtype, combine, 1);
+        algo.ring_all_gather(w, segs, 2);
+      }
+      finish_avg(w, one);
+      for (std::size_t k = 1; k < L.size(); ++k) copy_bytes(L[k].recv, w, one);
+      return;
+    }
+    case OpKind::all_gather: {
+      std::byte* w = L[0].recv;
+      for (const auto& b : L) copy_bytes(w + b.rank * one, b.send, one);
+      const auto segs = rank_segments(op.node_of_rank, one, n);
+      if (use_direct(one * op.nranks, options)) {
+        algo.direct_all_gather(w, segs, 1);
+      } else {
+        algo.ring_all_gather(w, segs, 1);
+      }
+      for (std::size_t k = 1; k < L.size(); ++k) copy_bytes(L[k].recv, w, one * op.nranks);
+      return;
+    }
+    case OpKind::reduce_scatter: {
+      const std::uint64_t total = one * op.nranks;
+      std::vector<std::byte> t(total);
+      local_reduce(t.data(), total);
+      algo.ring_reduce_scatter(t.data(), rank_segments(op.node_of_rank, one, n), op.dtype,
+                               combine, 1);
+      for (const auto& b : L) {
+        copy_bytes(b.recv, t.data() + b.rank * one, one);
+        finish_avg(b.recv, one);
+      }
+      return;
+    }
+    case OpKind::broadcast: {
+      const int root_node = op.node_of_rank[op.root];
+      std::byte* src = nullptr;
+      if (root_node == me) {
+        for (const auto& b : L) {
+          if (b.rank == op.root) src = b.send;
+        }
+      } else {
+        src = L[0].recv;
+      }
+      algo.broadcast(src, one, root_node, use_direct(one, options), 1);
+      for (const auto& b : L) copy_bytes(b.recv, src, one);
+      return;
+    }
+    case OpKind::reduce: {
+      const int root_node = op.node_of_rank[op.root];
+      std::vector<std::byte> scratch;
+      std::byte* t = nullptr;
+      if (root_node == me) {
+        for (const auto& b : L) {
+          if (b.rank == op.root) t = b.recv;
+        }
+      } else {
+        scratch.resize(one);
+        t = scratch.data();
+      }
+      local_reduce(t, one);
+      algo.chain_reduce(t, one, root_node, op.dtype, combine, 1);
+      if (root_node == me) finish_avg(t, one);
+      return;
+    }
+    case OpKind::all_to_all: {
+      // Sends that share memory with receives (in place) are read from a copy:
+      // local deliveries below overwrite them.
+      std::vector<std::vector<std::byte>> copies(L.size());
+      std::vector<const std::byte*> src(L.size());
+      for (std::size_t k = 0; k < L.size(); ++k) {
+        const auto& b = L[k];
+        const bool overlap = b.send < b.recv + b.recv_bytes && b.recv < b.send + b.send_bytes;
+        if (overlap) {
+          copies[k].assign(b.send, b.send + b.send_bytes);
+          src[k] = copies[k].data();
+        } else {
+          src[k] = b.send;
+        }
+      }
+      std::vector<std::vector<int>> ranks_of(n);
+      for (int r = 0; r < op.nranks; ++r) ranks_of[op.node_of_rank[r]].push_back(r);
+      // Message to node j: for each of my ranks r (ascending), its blocks for
+      // each of j's ranks d (ascending).
+      for (int j = 0; j < n; ++j) {
+        if (j == me) continue;
+        std::vector<std::span<const std::byte>> pieces;
+        for (std::size_t k = 0; k < L.size(); ++k) {
+          for (int d : ranks_of[j]) pieces.emplace_back(src[k] + d * one, one);
+        }
+        ch.send(j, tag_of(base, 1, 0, 0), pieces);
+      }
+      for (std::size_t k = 0; k < L.size(); ++k) {
+        for (const auto& b : L) std::memcpy(b.recv + L[k].rank * one, src[k] + b.rank * one, one);
+      }
+      for (int j = 0; j < n; ++j) {
+        if (j == me) continue;
+        NodePayload m = ch.recv(j, tag_of(base, 1, 0, 0));
+        expect_size(m, ranks_of[j].size() * L.size() * one, j);
+        std::uint64_t pos = 0;
+        for (int r : ranks_of[j]) {
+          for (const auto& b : L) {
+            std::memcpy(b.recv + r * one, m.data() + pos, one);
+            pos += one;
+          }
+        }
+      }
+      return;
+    }
+    default:
+      throw Error(Code::internal, "no node algorithm for " + std::string(to_string(op.kind)));
+  }
+}
+
+}  // namespace collectived::engine

@@ -1,0 +1,115 @@
+// Collectives between nodes: what each daemon does for one operation of a
+// communicator whose ranks live on several nodes.
+//
+// Every algorithm is hierarchical. A daemon first combines its own ranks'
+// buffers (they are all mapped into it), then exchanges one contribution per
+// node with the other daemons, then writes every local rank's output. Between
+// nodes the algorithms are:
+//   - ring reduce-scatter + ring all-gather (bandwidth: every node sends
+//     2(N-1)/N of the data), pipelined in chunks so that the reduction of one
+//     chunk overlaps the transfer of the next;
+//   - direct exchange (latency: one round, every node sends its whole
+//     contribution to every other node and reduces them in node order);
+//   - chains for broadcast and reduce (pipelined in chunks, each link carries
+//     the data once).
+// The choice is made per operation from its size (NodeAlgorithmOptions).
+//
+// Reduction order across nodes: local ranks in rank order, then nodes in ring
+// (or node) order. Every rank gets bit-identical results; floating-point
+// results may differ in the last bits from the single-node rank order.
+//
+// The code here knows nothing of sockets: it talks to the other nodes through
+// a NodeChannel, which the engine implements over the daemons' transport and
+// the tests implement in memory.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/dtype.h"
+#include "engine/op.h"
+
+namespace collectived::engine {
+
+/// One message received from another node: `size` bytes at `data()`.
+struct NodePayload {
+  std::vector<std::byte> storage;
+  std::size_t offset = 0;
+  std::size_t size = 0;
+  const std::byte* data() const { return storage.data() + offset; }
+};
+
+/// One operation's link to the other nodes of its communicator. Nodes are
+/// numbered 0..nodes()-1 the same way on every node.
+class NodeChannel {
+ public:
+  virtual ~NodeChannel() = default;
+  virtual int node() const = 0;
+  virtual int nodes() const = 0;
+  /// Sends the concatenation of `pieces` to `to` under `tag` (unique within the
+  /// operation for each sender and receiver). Does not block on the receiver;
+  /// the bytes are copied before it returns.
+  virtual void send(int to, std::uint64_t tag, std::span<const std::span<const std::byte>> pieces) = 0;
+  /// The message `from` sent under `tag`. Blocks until it arrived; throws Error
+  /// at the operation's deadline, when the communicator broke, or when the
+  /// sender's operation does not match this node's (naming both).
+  virtual NodePayload recv(int from, std::uint64_t tag) = 0;
+
+  void send(int to, std::uint64_t tag, const void* data, std::size_t bytes) {
+    const std::span<const std::byte> one(static_cast<const std::byte*>(data), bytes);
+    send(to, tag, std::span<const std::span<const std::byte>>(&one, 1));
+  }
+};
+
+struct NodeAlgorithmOptions {
+  /// Transfers are cut in chunks of this size (a multiple of 64 bytes).
+  std::size_t chunk_bytes = std::size_t{1} << 20;
+  /// Operations up to this many bytes per node use the direct exchange
+  /// (all-reduce, all-gather, broadcast); larger ones the ring or chain.
+  std::size_t direct_max_bytes = std::size_t{64} << 10;
+  /// "auto" (by size), "ring" or "direct": the profile's override.
+  std::string algorithm = "auto";
+};
+
+/// Which algorithm an operation of `bytes` per rank uses between `nodes` nodes
+/// ("ring", "direct", "chain", "exchange", "none"); for logs, status and tests.
+std::string node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
+                           const NodeAlgorithmOptions& options);
+
+/// A local rank's buffers for one operation (null/0 where it has none).
+struct LocalBuffers {
+  int rank = 0;
+  std::byte* send = nullptr;
+  std::uint64_t send_bytes = 0;
+  std::byte* recv = nullptr;
+  std::uint64_t recv_bytes = 0;
+};
+
+/// One collective as this node sees it.
+struct NodeCollective {
+  OpKind kind = OpKind::barrier;
+  DType dtype = DType::uint8;
+  RedOp redop = RedOp::sum;
+  std::uint64_t count = 0;  ///< per rank, as the ranks gave it
+  int root = 0;
+  int nranks = 0;
+  std::vector<int> node_of_rank;  ///< rank -> node index
+  std::vector<LocalBuffers> local;  ///< this node's ranks, ascending
+};
+
+/// Runs `op` on this node: local combine, exchange with the other nodes over
+/// `channel`, local outputs. Tags are taken from `tag_base` upwards (the
+/// caller gives each operation its own base). Throws Error from the channel.
+void run_node_collective(NodeChannel& channel, const NodeCollective& op,
+                         const NodeAlgorithmOptions& options, std::uint64_t tag_base = 0);
+
+/// Every node sends `mine` to every other node; returns what each node sent,
+/// by node index (this node's own entry is `mine`).
+std::vector<std::vector<std::byte>> node_exchange(NodeChannel& channel,
+                                                  std::span<const std::byte> mine,
+                                                  std::uint64_t tag);
+
+}  // namespace collectived::engine

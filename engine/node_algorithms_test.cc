@@ -1,0 +1,258 @@
+// The algorithms between nodes, run by one thread per node over an in-memory
+// channel (the fabric is the only stand-in; the algorithms and the reduction
+// kernels are the real ones), for many rank layouts, sizes around the chunk
+// and direct/ring thresholds, and every operation, checked against a
+// reference computed here.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include "engine/node_algorithms.h"
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "ipc/error.h"
+
+using namespace collectived;
+using namespace collectived::engine;
+
+namespace {
+
+/// N mailboxes keyed by (from, tag).
+class Fabric {
+ public:
+  explicit Fabric(int n) : boxes_(n) {}
+  void put(int to, int from, std::uint64_t tag, std::vector<std::byte> bytes) {
+    std::lock_guard lock(mu_);
+    auto [it, fresh] = boxes_[to].emplace(std::make_pair(from, tag), std::move(bytes));
+    REQUIRE(fresh);  // a tag is never reused within an operation
+    cv_.notify_all();
+  }
+  std::vector<std::byte> take(int me, int from, std::uint64_t tag) {
+    std::unique_lock lock(mu_);
+    const auto key = std::make_pair(from, tag);
+    if (!cv_.wait_for(lock, std::chrono::seconds(20),
+                      [&] { return boxes_[me].count(key) != 0; })) {
+      throw Error(Code::timeout, "node " + std::to_string(me) + " waited for tag " +
+                                     std::to_string(tag) + " from " + std::to_string(from));
+    }
+    auto node = boxes_[me].extract(key);
+    return std::move(node.mapped());
+  }
+  bool empty() {
+    std::lock_guard lock(mu_);
+    for (auto& b : boxes_) {
+      if (!b.empty()) return false;
+    }
+    return true;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::map<std::pair<int, std::uint64_t>, std::vector<std::byte>>> boxes_;
+};
+
+class MemChannel final : public NodeChannel {
+ public:
+  MemChannel(Fabric& f, int me, int n) : f_(f), me_(me), n_(n) {}
+  int node() const override { return me_; }
+  int nodes() const override { return n_; }
+  void send(int to, std::uint64_t tag, std::span<const std::span<const std::byte>> pieces) override {
+    REQUIRE(to != me_);
+    std::vector<std::byte> bytes;
+    for (auto p : pieces) bytes.insert(bytes.end(), p.begin(), p.end());
+    f_.put(to, me_, tag, std::move(bytes));
+  }
+  NodePayload recv(int from, std::uint64_t tag) override {
+    NodePayload p;
+    p.storage = f_.take(me_, from, tag);
+    p.size = p.storage.size();
+    return p;
+  }
+
+ private:
+  Fabric& f_;
+  int me_, n_;
+};
+
+std::int32_t input(int rank, std::uint64_t i) {
+  return static_cast<std::int32_t>((rank * 7919 + i * 104729 + 13) % 2001) - 1000;
+}
+
+struct Case {
+  OpKind kind;
+  RedOp redop;
+  std::uint64_t count;
+  bool in_place;
+  int root;
+};
+
+/// Runs `c` on the layout `node_of_rank` with int32 elements; checks every output.
+void run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithmOptions& o) {
+  const int nranks = static_cast<int>(node_of_rank.size());
+  const int nodes = *std::max_element(node_of_rank.begin(), node_of_rank.end()) + 1;
+  const std::uint64_t one = c.count * 4;
+  const bool wide_send = c.kind == OpKind::reduce_scatter || c.kind == OpKind::all_to_all;
+  const bool wide_recv = c.kind == OpKind::all_gather || c.kind == OpKind::all_to_all;
+  std::vector<std::vector<std::int32_t>> send(nranks), recv(nranks);
+  for (int r = 0; r < nranks; ++r) {
+    send[r].resize((wide_send ? nranks : 1) * c.count);
+    recv[r].assign((wide_recv ? nranks : 1) * c.count + 1, -7);
+    for (std::uint64_t i = 0; i < send[r].size(); ++i) send[r][i] = input(r, i);
+    if (c.in_place) {
+      // The in-place layout: the send data sits where the output goes.
+      const std::uint64_t at = c.kind == OpKind::all_gather ? r * c.count : 0;
+      if (c.kind == OpKind::reduce_scatter) recv[r] = send[r];
+      else std::memcpy(recv[r].data() + at, send[r].data(), send[r].size() * 4);
+    }
+  }
+  Fabric fabric(nodes);
+  std::vector<std::string> errors(nodes);
+  std::vector<std::thread> threads;
+  for (int j = 0; j < nodes; ++j) {
+    threads.emplace_back([&, j] {
+      try {
+        MemChannel ch(fabric, j, nodes);
+        NodeCollective op;
+        op.kind = c.kind;
+        op.dtype = DType::int32;
+        op.redop = c.redop;
+        op.count = c.count;
+        op.root = c.root;
+        op.nranks = nranks;
+        op.node_of_rank = node_of_rank;
+        for (int r = 0; r < nranks; ++r) {
+          if (node_of_rank[r] != j) continue;
+          LocalBuffers b;
+          b.rank = r;
+          auto* rb = reinterpret_cast<std::byte*>(recv[r].data());
+          b.recv = rb;
+          b.recv_bytes = (wide_recv ? nranks : 1) * one;
+          b.send = reinterpret_cast<std::byte*>(send[r].data());
+          b.send_bytes = send[r].size() * 4;
+          if (c.in_place) {
+            b.send = c.kind == OpKind::all_gather ? rb + r * one : rb;
+            if (c.kind == OpKind::reduce_scatter) b.recv = rb + r * one;
+          }
+          if (c.kind == OpKind::reduce && r != c.root) b.recv = nullptr;
+          op.local.push_back(b);
+        }
+        run_node_collective(ch, op, o, 1000);
+      } catch (const std::exception& e) {
+        errors[j] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int j = 0; j < nodes; ++j) CHECK_MESSAGE(errors[j].empty(), errors[j]);
+  CHECK(fabric.empty());
+  auto reduced = [&](std::uint64_t i) {
+    std::int64_t acc = input(0, i);
+    for (int r = 1; r < nranks; ++r) {
+      const std::int32_t v = input(r, i);
+      switch (c.redop) {
+        case RedOp::sum: case RedOp::avg: acc = static_cast<std::int32_t>(acc + v); break;
+        case RedOp::prod: acc = static_cast<std::int32_t>(static_cast<std::uint32_t>(acc) * static_cast<std::uint32_t>(v)); break;
+        case RedOp::min: acc = std::min<std::int64_t>(acc, v); break;
+        case RedOp::max: acc = std::max<std::int64_t>(acc, v); break;
+      }
+    }
+    if (c.redop == RedOp::avg) acc = static_cast<std::int32_t>(acc) / nranks;
+    return static_cast<std::int32_t>(acc);
+  };
+  if (c.kind == OpKind::barrier) return;
+  int bad = 0;
+  for (int r = 0; r < nranks; ++r) {
+    for (std::uint64_t i = 0; i < c.count * (wide_recv ? nranks : 1) && bad < 3; ++i) {
+      std::int32_t want = 0;
+      switch (c.kind) {
+        case OpKind::all_reduce: want = reduced(i); break;
+        case OpKind::reduce: if (r != c.root) continue; want = reduced(i); break;
+        case OpKind::reduce_scatter: want = reduced(r * c.count + i); break;
+        case OpKind::broadcast: want = input(c.root, i); break;
+        case OpKind::all_gather: want = input(static_cast<int>(i / c.count), i % c.count); break;
+        case OpKind::all_to_all:
+          want = input(static_cast<int>(i / c.count), r * c.count + i % c.count);
+          break;
+        default: break;
+      }
+      const std::uint64_t at =
+          c.in_place && c.kind == OpKind::reduce_scatter ? r * c.count + i : i;
+      if (recv[r][at] != want) {
+        ++bad;
+        FAIL_CHECK(to_string(c.kind) << " rank " << r << " element " << i << ": " << recv[r][at]
+                                     << " != " << want);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("node algorithms match the reference for every layout, size and operation") {
+  const std::vector<std::vector<int>> layouts = {
+      {0, 1}, {0, 1, 2}, {0, 1, 0, 1}, {0, 0, 1, 2, 2, 2}, {2, 0, 1, 0}, {1, 0, 1, 2, 3, 3}};
+  NodeAlgorithmOptions o;
+  o.chunk_bytes = 256;       // many chunks per segment
+  o.direct_max_bytes = 512;  // both the direct and the ring paths
+  const OpKind kinds[] = {OpKind::all_reduce, OpKind::all_gather, OpKind::reduce_scatter,
+                          OpKind::broadcast,  OpKind::reduce,     OpKind::all_to_all,
+                          OpKind::barrier};
+  for (const auto& layout : layouts) {
+    const int nranks = static_cast<int>(layout.size());
+    for (OpKind k : kinds) {
+      for (std::uint64_t count : {0ull, 1ull, 7ull, 100ull, 1001ull}) {
+        for (bool in_place : {false, true}) {
+          for (RedOp op : {RedOp::sum, RedOp::prod, RedOp::min, RedOp::max, RedOp::avg}) {
+            const bool reducing =
+                k == OpKind::all_reduce || k == OpKind::reduce || k == OpKind::reduce_scatter;
+            if (!reducing && op != RedOp::sum) continue;
+            const int root = static_cast<int>((count + (in_place ? 1 : 0)) % nranks);
+            CAPTURE(nranks);
+            CAPTURE(count);
+            CAPTURE(in_place);
+            CAPTURE(root);
+            run(layout, Case{k, op, count, in_place, root}, o);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("the algorithm choice follows the size and the profile's override") {
+  NodeAlgorithmOptions o;
+  CHECK(node_algorithm(OpKind::all_reduce, 8, 4, o) == "direct");
+  CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 4, o) == "ring");
+  CHECK(node_algorithm(OpKind::broadcast, 1 << 20, 4, o) == "chain");
+  CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 1, o) == "none");
+  o.algorithm = "direct";
+  CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 4, o) == "direct");
+  o.algorithm = "ring";
+  CHECK(node_algorithm(OpKind::all_reduce, 8, 4, o) == "ring");
+}
+
+TEST_CASE("an error from the channel reaches the caller") {
+  Fabric fabric(2);
+  MemChannel ch(fabric, 0, 2);
+  NodeCollective op;
+  op.kind = OpKind::all_reduce;
+  op.dtype = DType::int32;
+  op.count = 4;
+  op.nranks = 2;
+  op.node_of_rank = {0, 1};
+  std::vector<std::int32_t> buf(4, 1);
+  std::vector<std::int32_t> out(4);
+  op.local.push_back(LocalBuffers{0, reinterpret_cast<std::byte*>(buf.data()), 16,
+                                  reinterpret_cast<std::byte*>(out.data()), 16});
+  // Node 1 answers with a message of the wrong size.
+  fabric.put(0, 1, 1000 + (std::uint64_t{1} << 40), std::vector<std::byte>(8));
+  CHECK_THROWS_WITH_AS(run_node_collective(ch, op, NodeAlgorithmOptions{}, 1000),
+                       doctest::Contains("node 1 sent 8 bytes where 16 were expected"), Error);
+}
