@@ -106,6 +106,9 @@ struct VerbsSection {
   std::uint32_t qps_per_connection = 0;
   std::uint32_t retry_count = 0;  ///< 0..7
   std::uint32_t timeout = 0;      ///< 0..31, 4.096 us * 2^timeout
+  std::uint64_t slot_bytes = 0;   ///< receive slot size (RDMA WRITE target unit)
+  std::uint32_t slots_per_peer = 0;     ///< receive slots (= credits) per connection
+  std::uint32_t mr_cache_entries = 0;   ///< user-buffer registrations kept
 };
 
 struct LogSection {

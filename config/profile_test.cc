@@ -97,6 +97,9 @@ void check_equal(const cfg::Profile& a, const cfg::Profile& b) {
   CHECK(a.verbs.qps_per_connection == b.verbs.qps_per_connection);
   CHECK(a.verbs.retry_count == b.verbs.retry_count);
   CHECK(a.verbs.timeout == b.verbs.timeout);
+  CHECK(a.verbs.slot_bytes == b.verbs.slot_bytes);
+  CHECK(a.verbs.slots_per_peer == b.verbs.slots_per_peer);
+  CHECK(a.verbs.mr_cache_entries == b.verbs.mr_cache_entries);
   CHECK(a.log.level == b.log.level);
 }
 
@@ -108,7 +111,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   const std::string text(cfg::default_profile_text());
   REQUIRE(!text.empty());
   const std::vector<std::string> keys = cfg::known_keys();
-  CHECK(keys.size() == 34);
+  CHECK(keys.size() == 37);  // main's 33 + verbs.slot_bytes, slots_per_peer, mr_cache_entries + metrics.listen
   CHECK(keys.front() == "node.name");
   CHECK(keys.back() == "metrics.listen");
   for (const std::string& key : keys) {
@@ -150,6 +153,9 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   CHECK(p.verbs.qps_per_connection == 1);
   CHECK(p.verbs.retry_count == 7);
   CHECK(p.verbs.timeout == 20);
+  CHECK(p.verbs.slot_bytes == 512 * 1024);
+  CHECK(p.verbs.slots_per_peer == 16);
+  CHECK(p.verbs.mr_cache_entries == 1024);
   CHECK(p.log.level == cfg::LogLevel::info);
 
   // No file and no overrides is exactly the default.

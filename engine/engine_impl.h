@@ -166,6 +166,7 @@ struct Comm {
   int local_count = 0;
   std::shared_ptr<Inbox> inbox;
   std::shared_ptr<Executor> exec;
+  std::uint64_t broken_floor = 0;  // once broken: operations from this seq on fail
   std::set<std::uint64_t> ended;  // seqs done here: late messages for them are dropped
   std::uint64_t ended_floor = 0;  // every seq below it is done
 
@@ -411,16 +412,25 @@ struct Engine::Impl {
   /// Fails everything not yet running; later submissions fail at once.
   /// `tell_nodes`: the reason is this node's (a rank died, left, aborted),
   /// so the other nodes of the communicator are told too.
+  /// `floor`: operations below this sequence number are not affected (a
+  /// rank that left had finished them; other nodes may still be at them).
   void break_comm(Comm& comm, Code code, const std::string& reason, std::vector<Delivery>& out,
-                  bool tell_nodes = true) {
-    if (comm.spans_nodes() && !comm.broken) {
+                  bool tell_nodes = true, std::uint64_t floor = 0) {
+    const bool lower = !comm.broken || floor < comm.broken_floor;
+    if (comm.spans_nodes() && lower) {
       comm.inbox->broken = error(code, reason);
       comm.inbox->cv.notify_all();
-      if (tell_nodes) send_broken(comm, code, reason);
+      if (tell_nodes) send_broken(comm, code, reason, floor);
     }
-    if (!comm.broken) comm.broken = error(code, reason);
+    if (!comm.broken) {
+      comm.broken = error(code, reason);
+      comm.broken_floor = floor;
+    } else if (floor < comm.broken_floor) {
+      comm.broken_floor = floor;
+    }
+    floor = comm.broken_floor;
     for (auto it = comm.slots.begin(); it != comm.slots.end();) {
-      if (!it->second.started) {
+      if (!it->second.started && it->first >= floor) {
         if (!it->second.failed) fail_slot(comm, it->second, code, reason, out);
         it = end_slot_it(comm, it);
       } else {
@@ -488,7 +498,7 @@ struct Engine::Impl {
   /// Drops what other nodes sent for `seq`.
   void purge_inbox(Comm& comm, std::uint64_t seq);
   /// Tells the other nodes that this node broke the communicator.
-  void send_broken(Comm& comm, Code code, const std::string& reason);
+  void send_broken(Comm& comm, Code code, const std::string& reason, std::uint64_t floor);
   /// Tells the other nodes that `seq` failed here.
   void send_slot_failed(Comm& comm, std::uint64_t seq, Code code, const std::string& reason);
   /// A collective whose local ranks are all in: runs on the executor.
@@ -536,12 +546,15 @@ struct Engine::Impl {
         drop_member(comm, m.rank);
         log.debug("comm_left", {{"comm", comm.name}, {"rank", m.rank}, {"pid", m.pid}});
         if (comm.active_members() > 0) {
+          // Across nodes, the operations it finished may still be running
+          // elsewhere: only later ones fail.
           break_comm(comm, Code::remote,
-                     comm.who(m.rank) + " left the communicator (comm_destroy)", out);
+                     comm.who(m.rank) + " left the communicator (comm_destroy)", out, true,
+                     comm.spans_nodes() ? m.next_seq : 0);
         }
         changed = true;
       }
-      if (comm.broken) break;
+      if (comm.broken && comm.broken_floor == 0) break;
       // A collective starts when it is at the head of every (local) rank's
       // queue; other nodes' ranks are met by the algorithm between nodes.
       auto first = std::find_if(comm.members.begin(), comm.members.end(),
@@ -551,6 +564,7 @@ struct Engine::Impl {
         const std::uint64_t seq = first->queue.front().seq;
         auto it = comm.slots.find(seq);
         if (it != comm.slots.end() && !it->second.started && !it->second.failed &&
+            (!comm.broken || seq < comm.broken_floor) &&
             it->second.arrived == comm.local_count &&
             std::all_of(comm.members.begin(), comm.members.end(), [&](const Member& m) {
               return m.remote || (!m.queue.empty() && m.queue.front().type == Work::Type::slot &&
@@ -562,6 +576,7 @@ struct Engine::Impl {
       }
       // Point-to-point pairs whose both groups are at their ranks' heads.
       for (auto& m : comm.members) {
+        if (comm.broken) break;
         if (m.queue.empty() || m.queue.front().type != Work::Type::group) continue;
         auto g = m.queue.front().group;
         for (auto& item : g->items) {
@@ -820,7 +835,7 @@ struct Engine::Impl {
                                                 ": the daemon is stopping")});
         return;
       }
-      if (comm.broken) {
+      if (comm.broken && comm.members[rank].next_seq >= comm.broken_floor) {
         out.push_back({client.sink, request,
                        error(comm.broken->code,
                              op + " on " + comm.where(rank) + ": " + comm.broken->message)});

@@ -145,18 +145,26 @@ class EngineChannel final : public NodeChannel {
     Inbox& in = *comm_->inbox;
     const auto key = std::make_tuple(seq_, tag, from);
     for (;;) {
+      if (auto f = in.failed.find(seq_); f != in.failed.end()) {
+        remote_failure = true;
+        throw Error(f->second.code, f->second.message);
+      }
       auto it = in.msgs.find(key);
       if (it != in.msgs.end()) {
+        if (!(it->second.desc == desc_)) {
+          // check_remote_desc() names it on arrival; this covers the rest.
+          throw Error(Code::mismatch, "mismatched operations for sequence number " +
+                                          std::to_string(seq_) + ": " +
+                                          comm_->who(desc_rank_) + " submitted " + desc_.str() +
+                                          " but " + comm_->who(it->second.desc_rank) +
+                                          " submitted " + it->second.desc.str());
+        }
         NodePayload p = std::move(it->second.payload);
         in.bytes -= p.storage.size();
         in.msgs.erase(it);
         return p;
       }
-      if (auto f = in.failed.find(seq_); f != in.failed.end()) {
-        remote_failure = true;
-        throw Error(f->second.code, f->second.message);
-      }
-      if (in.broken) {
+      if (in.broken && seq_ >= comm_->broken_floor) {
         remote_failure = true;
         throw Error(in.broken->code, in.broken->message);
       }
@@ -275,7 +283,8 @@ void Engine::Impl::send_node(const std::string& address, std::vector<std::byte> 
   });
 }
 
-void Engine::Impl::send_broken(Comm& comm, Code code, const std::string& reason) {
+void Engine::Impl::send_broken(Comm& comm, Code code, const std::string& reason,
+                               std::uint64_t floor) {
   for (int j = 0; j < static_cast<int>(comm.node_address.size()); ++j) {
     if (j == comm.my_node) continue;
     capnp::MallocMessageBuilder mb(256);
@@ -285,6 +294,7 @@ void Engine::Impl::send_broken(Comm& comm, Code code, const std::string& reason)
     b.setUid(comm.uid);
     b.setCode(static_cast<std::uint16_t>(code));
     b.setMessage(reason);
+    b.setFloor(floor);
     send_node(comm.node_address[j], encode(mb));
   }
 }
@@ -312,7 +322,8 @@ void send_join_reply(Engine::Impl& I, const std::string& to, const std::string& 
   auto m = mb.initRoot<nodewire::NodeMessage>();
   m.setFrom(I.options.rendezvous_address);
   auto r = m.initJoinReply();
-  const auto at = key.find('@');
+  // The key is the 16 id bytes (which may contain '@'), '@', the address.
+  const std::size_t at = 16;
   const std::string id = key.substr(0, at);
   r.setId(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(id.data()), id.size()));
   r.setRendezvous(key.substr(at + 1));
@@ -408,7 +419,7 @@ void Engine::Impl::finish_rendezvous_across_nodes(const std::string& key, Rendez
     pids[r] = j.pid;
     if (j.address.empty()) local[r] = j;
   }
-  const std::string id = key.substr(0, key.find('@'));
+  const std::string id = key.substr(0, 16);  // the id bytes may contain '@'
   const std::string uid = to_hex(id) + "@" + options.rendezvous_address;
   for (std::size_t n = 0; n < addresses.size(); ++n) {
     if (addresses[n] == options.rendezvous_address) continue;
@@ -722,6 +733,8 @@ void Engine::Impl::start_remote_item(const std::shared_ptr<Comm>& cp,
                                      std::vector<Delivery>& out,
                                      std::vector<std::function<void()>>& tasks) {
   Comm& comm = *cp;
+  log.debug("p2p_remote", {{"comm", comm.name}, {"rank", g->rank}, {"peer", item.peer},
+                           {"send", item.is_send}, {"index", item.index}});
   if (item.is_send) {
     item.started = true;
     const std::string address = comm.node_address[comm.node_of_rank[item.peer]];
@@ -869,6 +882,11 @@ void Engine::Impl::handle_node_message(const std::string& peer, std::vector<std:
           lost.push_back(static_cast<int>(k));
         }
       }
+      if (local.empty()) {
+        // Its ranks here failed or left already (or a repeated answer).
+        log.warn("join_reply_unclaimed", {{"comm", text(r.getName())}, {"from", from}});
+        return;
+      }
       pending_joins.erase(key);
       auto comm = make_spanning_comm(text(r.getUid()), text(r.getName()), node_of_rank, pids,
                                      addresses, names, local, out);
@@ -924,6 +942,8 @@ void Engine::Impl::handle_node_message(const std::string& peer, std::vector<std:
       item.payload.size = d->bytes.size() - d->raw_offset;
       item.payload.storage = std::move(d->bytes);
       if (p2p) {
+        log.debug("p2p_arrived", {{"uid", uid}, {"from", from_rank}, {"to", to_rank},
+                                  {"index", index}, {"comm", cp ? cp->name : "-"}});
         in.bytes += item.payload.storage.size();
         in.p2p[{from_rank, to_rank, index}] = std::move(item);
         if (cp) progress(cp, out, tasks);
@@ -943,7 +963,7 @@ void Engine::Impl::handle_node_message(const std::string& peer, std::vector<std:
       const Code code = static_cast<Code>(b.getCode());
       const std::string why = text(b.getMessage());
       if (auto cp = it->second.second.lock()) {
-        break_comm(*cp, code, why, out, false);
+        break_comm(*cp, code, why, out, false, b.getFloor());
         progress(cp, out, tasks);
       } else {
         it->second.first->broken = error(code, why);

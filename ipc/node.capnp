@@ -86,6 +86,8 @@ struct Broken {
   uid @0 :Text;
   code @1 :UInt16;
   message @2 :Text;
+  floor @3 :UInt64;  # operations below this sequence number are not affected
+                     # (a rank that left had finished them); 0: all are
 }
 
 # One operation failed on the sender (mismatch, invalid arguments, timeout).

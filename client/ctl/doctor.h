@@ -5,12 +5,17 @@
 #pragma once
 
 #include <chrono>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "client/ctl/status_model.h"
 #include "config/profile.h"
+
+namespace collectived::verbs {
+class IbverbsLibrary;
+}
 
 namespace collectived::ctl {
 
@@ -67,6 +72,9 @@ struct DoctorContext {
   bool has_gpu = false;        ///< set by check_cuda
   bool has_hca = false;        ///< set by check_hcas
   bool dmabuf_in_verbs = false;  ///< ibv_reg_dmabuf_mr resolvable
+  std::optional<bool> cuda_dmabuf;  ///< GPUs export dma-bufs (set by check_cuda)
+  /// The daemon's own libibverbs loader (engine/transport/verbs), when it loads.
+  std::shared_ptr<const verbs::IbverbsLibrary> verbs;
 };
 
 /// Runs every check, in order; finishes in seconds (each daemon request is

@@ -7,7 +7,6 @@
 #include <dlfcn.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/utsname.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,6 +17,7 @@
 #include <sstream>
 
 #include "client/ctl/doctor.h"
+#include "engine/transport/verbs/gpudirect.h"
 
 namespace collectived::ctl {
 
@@ -126,13 +126,6 @@ bool unhex(const std::string& text, void* data, std::size_t n) {
 }
 
 bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0; }
-
-std::string file_text(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 /// CUDA IPC between two processes: a fresh process (this binary, re-executed)
 /// allocates GPU memory, fills it and exports a handle; this process opens the
@@ -285,8 +278,17 @@ void check_cuda(DoctorContext& ctx, Report& r) {
     cu.cuDeviceGetPCIBusId(bus, sizeof bus, d);
     gpus += std::string(i ? "; " : "") + std::to_string(i) + ": " + name + " " + bus;
   }
+  bool dmabuf = count > 0, gdr = count > 0;
+  for (int i = 0; i < count; ++i) {
+    int v = 0;
+    dmabuf = dmabuf && cu.cuDeviceGetAttribute(&v, kAttrDmaBuf, i) == 0 && v == 1;
+    gdr = gdr && cu.cuDeviceGetAttribute(&v, kAttrGpuDirectRdma, i) == 0 && v == 1;
+  }
+  ctx.cuda_dmabuf = dmabuf;
   r.add("cuda", Verdict::pass,
-        "driver " + ver + ", " + std::to_string(count) + " GPU(s): " + gpus);
+        "driver " + ver + ", " + std::to_string(count) + " GPU(s): " + gpus +
+            "; GPU_DIRECT_RDMA_SUPPORTED=" + (gdr ? "1" : "0") +
+            " DMA_BUF_SUPPORTED=" + (dmabuf ? "1" : "0"));
   if (count > 1) {
     std::string missing;
     for (int a = 0; a < count; ++a) {
@@ -319,53 +321,21 @@ void check_cuda(DoctorContext& ctx, Report& r) {
 }
 
 void check_gpudirect_rdma(DoctorContext& ctx, Report& r) {
-  const std::string& sys = ctx.options.sysfs_root;
-  // The peer-memory route: nvidia-peermem (NVIDIA driver >= 470) or the
-  // legacy nv_peer_mem from MLNX_OFED, which register with ib_core's peer
-  // memory API and show up in these files.
-  std::string peermem;
-  for (const std::string& p : {sys + "/kernel/mm/memory_peers/nv_mem/version",
-                              sys + "/kernel/mm/memory_peers/nv_mem_nc/version",
-                              sys + "/module/nvidia_peermem/version"}) {
-    if (auto v = read_line(p)) {
-      peermem = p + " (" + *v + ")";
-      break;
-    }
-  }
-  // The dma-buf route: kernel >= 5.12, the NVIDIA open kernel modules,
-  // rdma-core's ibv_reg_dmabuf_mr.
-  utsname u{};
-  ::uname(&u);
-  int major = 0, minor = 0;
-  std::sscanf(u.release, "%d.%d", &major, &minor);
-  const bool kernel_ok = major > 5 || (major == 5 && minor >= 12);
-  const std::string nv = file_text(ctx.options.proc_root + "/driver/nvidia/version");
-  const bool open_module = nv.find("Open Kernel Module") != std::string::npos;
-  std::string dmabuf_missing;
-  if (!kernel_ok) dmabuf_missing += std::string("kernel ") + u.release + " < 5.12; ";
-  if (!open_module) dmabuf_missing += nv.empty() ? "no NVIDIA kernel module; "
-                                                 : "NVIDIA proprietary (not open) kernel module; ";
-  if (!ctx.dmabuf_in_verbs) dmabuf_missing += "libibverbs without ibv_reg_dmabuf_mr; ";
-  if (!dmabuf_missing.empty()) dmabuf_missing.resize(dmabuf_missing.size() - 2);
-  const std::string routes =
-      "peer memory: " + (peermem.empty() ? std::string("absent (no nv_mem, nv_mem_nc, nvidia_peermem)") : peermem) +
-      "; dma-buf: " + (dmabuf_missing.empty() ? std::string("available") : "unavailable (" + dmabuf_missing + ")");
+  // The verbs transport's own detection: the same answer the daemon logs.
+  const verbs::GpuDirectStatus s =
+      verbs::detect_gpudirect(ctx.verbs.get(), ctx.cuda_dmabuf, ctx.options.sysfs_root);
   if (!ctx.has_gpu) {
-    r.add("gpudirect rdma", Verdict::skip, "off: no GPU; " + routes);
-    return;
+    r.add("gpudirect rdma", Verdict::skip, "off: no GPU; " + s.reason);
+  } else if (!ctx.has_hca) {
+    r.add("gpudirect rdma", Verdict::skip, "off: no RDMA device; " + s.reason);
+  } else if (s.enabled) {
+    r.add("gpudirect rdma", Verdict::pass, "on (" + s.route + "): " + s.reason);
+  } else {
+    r.add("gpudirect rdma", Verdict::warn, s.reason,
+          "modprobe nvidia-peermem (ships with the NVIDIA driver; add it to "
+          "/etc/modules-load.d), or use the open NVIDIA kernel modules with kernel >= 5.12 and "
+          "rdma-core >= 34 for dma-buf");
   }
-  if (!ctx.has_hca) {
-    r.add("gpudirect rdma", Verdict::skip, "off: no RDMA device; " + routes);
-    return;
-  }
-  if (!peermem.empty() || dmabuf_missing.empty()) {
-    r.add("gpudirect rdma", Verdict::pass, "on: " + routes);
-    return;
-  }
-  r.add("gpudirect rdma", Verdict::warn,
-        "off, GPU buffers are staged through host memory: " + routes,
-        "modprobe nvidia-peermem (ships with the NVIDIA driver; add it to /etc/modules-load.d), or "
-        "use the open NVIDIA kernel modules with kernel >= 5.12 and rdma-core >= 34 for dma-buf");
 }
 
 void check_gds(DoctorContext& ctx, Report& r) {

@@ -1,8 +1,6 @@
 // doctor: libibverbs (loadable, every symbol the verbs transport calls, its
 // providers) and the HCAs from sysfs (ports, state, link layer, MTU, GID
 // table, device nodes), checked against the profile's verbs keys.
-#include <dlfcn.h>
-#include <link.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,52 +9,13 @@
 #include <cstring>
 
 #include "client/ctl/doctor.h"
+#include "engine/transport/verbs/devices.h"
+#include "engine/transport/verbs/ibverbs_library.h"
+#include "ipc/error.h"
 
 namespace collectived::ctl {
 
 namespace {
-
-// Every symbol the verbs transport resolves at load
-// (engine/transport/verbs/ibverbs_functions.h).
-constexpr std::array kRequiredVerbs{
-    "ibv_get_device_list",  "ibv_free_device_list",     "ibv_get_device_name",
-    "ibv_get_device_guid",  "ibv_open_device",          "ibv_close_device",
-    "ibv_query_device",     "ibv_query_port",           "ibv_query_gid",
-    "ibv_port_state_str",   "ibv_alloc_pd",             "ibv_dealloc_pd",
-    "ibv_reg_mr",           "ibv_dereg_mr",             "ibv_create_comp_channel",
-    "ibv_destroy_comp_channel", "ibv_create_cq",        "ibv_destroy_cq",
-    "ibv_get_cq_event",     "ibv_ack_cq_events",        "ibv_wc_status_str",
-    "ibv_create_qp",        "ibv_modify_qp",            "ibv_query_qp",
-    "ibv_destroy_qp"};
-
-struct VerbsProbe {
-  bool loaded = false;
-  std::string error;  // dlerror() when not loaded
-  std::string path;
-  std::vector<std::string> missing;
-  bool dmabuf = false;
-};
-
-VerbsProbe probe_ibverbs() {
-  VerbsProbe p;
-  void* h = ::dlopen("libibverbs.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (h == nullptr) {
-    const char* e = ::dlerror();
-    p.error = e ? e : "dlopen failed";
-    return p;
-  }
-  p.loaded = true;
-  link_map* map = nullptr;
-  if (::dlinfo(h, RTLD_DI_LINKMAP, &map) == 0 && map != nullptr && map->l_name) {
-    p.path = map->l_name;
-  }
-  for (const char* sym : kRequiredVerbs) {
-    if (::dlsym(h, sym) == nullptr) p.missing.push_back(sym);
-  }
-  p.dmabuf = ::dlsym(h, "ibv_reg_dmabuf_mr") != nullptr;
-  ::dlclose(h);
-  return p;
-}
 
 std::string dirname_of(const std::string& path) {
   const auto slash = path.rfind('/');
@@ -93,41 +52,36 @@ std::uint32_t roce_mtu(std::uint32_t eth_mtu) {
 }  // namespace
 
 void check_ibverbs(DoctorContext& ctx, Report& r) {
-  const VerbsProbe p = probe_ibverbs();
   const bool used = ctx.uses_verbs();
-  if (!p.loaded) {
-    r.add("ibverbs", used ? Verdict::warn : Verdict::skip,
-          "libibverbs.so.1 does not load: " + p.error +
-              (used ? "; the verbs transport is unavailable, peers use tcp" : " (verbs not in transports)"),
-          used ? "apt install libibverbs1 ibverbs-providers (rdma-core), or remove verbs from "
-                 "transports in the profile"
-               : "");
+  // The daemon's own loader: the same soname, every symbol it calls resolved now.
+  try {
+    ctx.verbs = verbs::IbverbsLibrary::load();
+  } catch (const Error& e) {
+    const std::string why = e.what();
+    const bool symbol = why.find("has no symbol") != std::string::npos;
+    r.add("ibverbs", symbol ? Verdict::fail : used ? Verdict::warn : Verdict::skip,
+          why + (used && !symbol ? "; peers use tcp" : ""),
+          symbol ? "an old or foreign libibverbs comes first (LD_LIBRARY_PATH, ldconfig -p | grep "
+                   "ibverbs); install rdma-core's libibverbs1"
+          : used ? "apt install libibverbs1 ibverbs-providers, or remove verbs from transports"
+                 : "");
     return;
   }
-  ctx.dmabuf_in_verbs = p.dmabuf;
-  if (!p.missing.empty()) {
-    std::string names;
-    for (const auto& m : p.missing) names += (names.empty() ? "" : ", ") + m;
-    r.add("ibverbs", Verdict::fail,
-          p.path + " lacks " + std::to_string(p.missing.size()) + " symbol(s) collectived calls: " +
-              names,
-          "an old or foreign libibverbs is first on the search path (check LD_LIBRARY_PATH and "
-          "ldconfig -p | grep ibverbs); install rdma-core's libibverbs1");
-    return;
-  }
+  const verbs::IbverbsLibrary& lib = *ctx.verbs;
+  ctx.dmabuf_in_verbs = lib.has_dmabuf();
   r.add("ibverbs", Verdict::pass,
-        p.path + ": all " + std::to_string(kRequiredVerbs.size()) + " symbols resolve" +
-            (p.dmabuf ? "; ibv_reg_dmabuf_mr present (dma-buf registration)"
-                      : "; no ibv_reg_dmabuf_mr (rdma-core < 34: no dma-buf registration)"));
+        lib.path() + ": every symbol the verbs transport calls resolves" +
+            (lib.has_dmabuf() ? "; ibv_reg_dmabuf_mr present (dma-buf registration)"
+                              : "; no ibv_reg_dmabuf_mr (rdma-core < 34: no dma-buf registration)"));
   // Providers: rdma-core loads lib<name>-rdmav*.so from libibverbs/ beside itself.
   std::vector<std::string> providers;
-  for (const auto& f : list_dir(dirname_of(p.path) + "/libibverbs")) {
+  for (const auto& f : list_dir(dirname_of(lib.path()) + "/libibverbs")) {
     const auto dash = f.find("-rdmav");
     if (f.rfind("lib", 0) == 0 && dash != std::string::npos) providers.push_back(f.substr(3, dash - 3));
   }
   if (providers.empty()) {
     r.add("providers", used ? Verdict::warn : Verdict::skip,
-          "no libibverbs providers in " + dirname_of(p.path) + "/libibverbs: no HCA can be opened",
+          "no libibverbs providers in " + dirname_of(lib.path()) + "/libibverbs: no HCA can be opened",
           used ? "apt install ibverbs-providers (mlx5, efa, rxe, ... drivers of rdma-core)" : "");
   } else {
     std::string names;
@@ -157,6 +111,16 @@ void check_hcas(DoctorContext& ctx, Report& r) {
     return;
   }
   ctx.has_hca = true;
+  // What libibverbs itself reports (active MTU): the daemon's discovery code.
+  std::vector<verbs::DeviceInfo> found;
+  const bool real_sysfs = ctx.options.sysfs_root == "/sys";
+  if (ctx.verbs && real_sysfs) {
+    found = verbs::discover_devices(*ctx.verbs, ctx.options.sysfs_root);
+    if (found.empty()) {
+      r.add("hca", Verdict::warn, verbs::no_devices_reason(ctx.options.sysfs_root),
+            "apt install ibverbs-providers (the user-space driver of the HCA)");
+    }
+  }
   if (ctx.profile) {
     for (const auto& h : ctx.profile->verbs.hcas) {
       if (std::find(devices.begin(), devices.end(), h.name) == devices.end()) {
@@ -204,8 +168,15 @@ void check_hcas(DoctorContext& ctx, Report& r) {
                 (ndev.empty() ? "" : " " + ndev) + ";";
       }
       std::sort(present.begin(), present.end());
-      std::string mtu = "MTU from ibv_devinfo";
-      if (link == "Ethernet") {
+      std::string mtu = "MTU unknown (libibverbs did not open " + dev + ")";
+      for (const auto& d : found) {
+        for (const auto& fp : d.ports) {
+          if (d.name == dev && std::to_string(fp.number) == port) {
+            mtu = "MTU " + std::to_string(fp.active_mtu) + " (max " + std::to_string(fp.max_mtu) + ")";
+          }
+        }
+      }
+      if (found.empty() && link == "Ethernet") {
         // RoCE: the path MTU follows the Ethernet device's MTU.
         const std::string ndev = read_line(pdir + "/gid_attrs/ndevs/0").value_or("");
         const auto eth = read_line(ctx.options.sysfs_root + "/class/net/" + ndev + "/mtu");

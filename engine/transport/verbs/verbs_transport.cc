@@ -1,0 +1,1249 @@
+#include "engine/transport/verbs/verbs_transport.h"
+
+#include <arpa/inet.h>
+#include <poll.h>
+#include <sched.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "engine/transport/verbs/devices.h"
+#include "engine/transport/verbs/ibverbs_functions.h"
+#include "engine/transport/verbs/ibverbs_library.h"
+#include "engine/transport/verbs/memory.h"
+#include "engine/transport/verbs/resources.h"
+#include "ipc/error.h"
+
+namespace collectived::verbs {
+namespace {
+
+// ---- Wire formats ---------------------------------------------------------------
+
+// In front of every slot's payload. 64 bytes so that the payload starts on a
+// cache line; written by the sender with the payload in one RDMA WRITE (two
+// scatter-gather entries: header, then the source range).
+struct SlotHeader {
+  std::uint32_t magic;
+  std::uint32_t length;  // payload bytes in this slot
+  std::uint64_t tag;
+  std::uint64_t offset;  // of the payload in the message
+  std::uint64_t total;   // message size
+  std::uint8_t pad[32];
+};
+static_assert(sizeof(SlotHeader) == 64);
+constexpr std::uint32_t kSlotMagic = 0x534c4f54;  // "SLOT"
+constexpr std::size_t kHeaderBytes = sizeof(SlotHeader);
+
+// The immediate of a WRITE WITH IMMEDIATE: a data write names the slot it
+// filled; a credit (bit 31) returns `count` slots from `first` to the writer.
+constexpr std::uint32_t kCreditBit = 0x80000000u;
+std::uint32_t credit_imm(std::uint32_t first, std::uint32_t count) {
+  return kCreditBit | (count << 16) | first;
+}
+
+// Work request ids: [generation:12][kind:4][qp:8][value:40]. The generation
+// tells completions of a connection torn down by rebuild() from current ones.
+// A data write carries its operation's id, not the slot: the reader may give
+// the slot back (and the writer reuse it) before the writer has polled the
+// write's own completion, since acknowledgements and credits travel apart.
+enum class WrKind : std::uint8_t { data = 1, credit = 2, probe = 3, recv = 4 };
+constexpr std::uint64_t kGenerationMask = 0xfff;
+constexpr std::uint64_t kValueMask = (1ull << 40) - 1;
+std::uint64_t wr_id(std::uint64_t generation, WrKind kind, std::uint32_t qp, std::uint64_t value) {
+  return ((generation & kGenerationMask) << 52) | (static_cast<std::uint64_t>(kind) << 48) |
+         (static_cast<std::uint64_t>(qp & 0xff) << 40) | (value & kValueMask);
+}
+std::uint64_t wr_generation(std::uint64_t id) { return id >> 52; }
+WrKind wr_kind(std::uint64_t id) { return static_cast<WrKind>((id >> 48) & 0xf); }
+std::uint32_t wr_qp(std::uint64_t id) { return static_cast<std::uint32_t>((id >> 40) & 0xff); }
+std::uint64_t wr_value(std::uint64_t id) { return id & kValueMask; }
+
+// Queue-pair parameters exchanged over the channel (little-endian).
+constexpr std::uint32_t kHelloMagic = 0x50515643;  // "CVQP"
+constexpr std::uint32_t kReadyMagic = 0x44525643;  // "CVRD"
+constexpr std::uint16_t kWireVersion = 1;
+constexpr std::uint32_t kMaxQps = 128;
+
+struct Endpoint {
+  std::string node;
+  std::uint16_t lid = 0;
+  std::uint8_t gid[16]{};
+  std::uint32_t mtu = 0;  // bytes
+  std::vector<std::uint32_t> qpns;
+  std::vector<std::uint32_t> psns;
+  std::uint64_t slot_addr = 0;
+  std::uint32_t slot_rkey = 0;
+  std::uint32_t slot_count = 0;
+  std::uint64_t slot_stride = 0;
+  std::uint64_t slot_payload = 0;
+};
+
+class Writer {
+ public:
+  void u8(std::uint8_t v) { out_.push_back(static_cast<std::byte>(v)); }
+  void u16(std::uint16_t v) { le(v, 2); }
+  void u32(std::uint32_t v) { le(v, 4); }
+  void u64(std::uint64_t v) { le(v, 8); }
+  void bytes(const void* p, std::size_t n) {
+    const auto* b = static_cast<const std::byte*>(p);
+    out_.insert(out_.end(), b, b + n);
+  }
+  std::vector<std::byte>& out() { return out_; }
+
+ private:
+  void le(std::uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) out_.push_back(static_cast<std::byte>(v >> (8 * i)));
+  }
+  std::vector<std::byte> out_;
+};
+
+class Reader {
+ public:
+  Reader(const std::vector<std::byte>& in, std::string peer) : in_(in), peer_(std::move(peer)) {}
+  std::uint64_t le(int n) {
+    need(n);
+    std::uint64_t v = 0;
+    for (int i = 0; i < n; ++i) v |= static_cast<std::uint64_t>(in_[pos_ + i]) << (8 * i);
+    pos_ += n;
+    return v;
+  }
+  std::uint8_t u8() { return static_cast<std::uint8_t>(le(1)); }
+  std::uint16_t u16() { return static_cast<std::uint16_t>(le(2)); }
+  std::uint32_t u32() { return static_cast<std::uint32_t>(le(4)); }
+  std::uint64_t u64() { return le(8); }
+  void bytes(void* p, std::size_t n) {
+    need(n);
+    std::memcpy(p, in_.data() + pos_, n);
+    pos_ += n;
+  }
+
+ private:
+  void need(std::size_t n) {
+    if (pos_ + n > in_.size()) {
+      throw Error(Code::protocol, "verbs connection parameters from " + peer_ + " are truncated (" +
+                                      std::to_string(in_.size()) + " bytes)");
+    }
+  }
+  const std::vector<std::byte>& in_;
+  std::string peer_;
+  std::size_t pos_ = 0;
+};
+
+std::vector<std::byte> encode(const Endpoint& e) {
+  Writer w;
+  w.u32(kHelloMagic);
+  w.u16(kWireVersion);
+  w.u16(static_cast<std::uint16_t>(e.node.size()));
+  w.bytes(e.node.data(), e.node.size());
+  w.u16(e.lid);
+  w.bytes(e.gid, 16);
+  w.u32(e.mtu);
+  w.u32(static_cast<std::uint32_t>(e.qpns.size()));
+  for (std::size_t i = 0; i < e.qpns.size(); ++i) {
+    w.u32(e.qpns[i]);
+    w.u32(e.psns[i]);
+  }
+  w.u64(e.slot_addr);
+  w.u32(e.slot_rkey);
+  w.u32(e.slot_count);
+  w.u64(e.slot_stride);
+  w.u64(e.slot_payload);
+  return std::move(w.out());
+}
+
+Endpoint decode(const std::vector<std::byte>& in, const std::string& peer) {
+  Reader r(in, peer);
+  const std::uint32_t magic = r.u32();
+  if (magic != kHelloMagic) {
+    throw Error(Code::protocol,
+                "expected verbs connection parameters from " + peer + ", got another message");
+  }
+  const std::uint16_t version = r.u16();
+  if (version != kWireVersion) {
+    throw Error(Code::protocol, "verbs connection parameters from " + peer + " have version " +
+                                    std::to_string(version) + ", this node speaks " +
+                                    std::to_string(kWireVersion));
+  }
+  Endpoint e;
+  e.node.resize(r.u16());
+  r.bytes(e.node.data(), e.node.size());
+  e.lid = r.u16();
+  r.bytes(e.gid, 16);
+  e.mtu = r.u32();
+  const std::uint32_t n = r.u32();
+  if (n == 0 || n > kMaxQps) {
+    throw Error(Code::protocol, "verbs connection parameters from " + peer + " name " +
+                                    std::to_string(n) + " queue pairs (1.." +
+                                    std::to_string(kMaxQps) + ")");
+  }
+  for (std::uint32_t i = 0; i < n; ++i) {
+    e.qpns.push_back(r.u32() & 0xffffff);
+    e.psns.push_back(r.u32() & 0xffffff);
+  }
+  e.slot_addr = r.u64();
+  e.slot_rkey = r.u32();
+  e.slot_count = r.u32();
+  e.slot_stride = r.u64();
+  e.slot_payload = r.u64();
+  if (e.slot_count == 0 || e.slot_count > 0x7fff || e.slot_payload == 0 ||
+      e.slot_stride < e.slot_payload + kHeaderBytes) {
+    throw Error(Code::protocol, "verbs connection parameters from " + peer +
+                                    " have an invalid slot layout");
+  }
+  return e;
+}
+
+ibv_mtu mtu_enum(std::uint32_t bytes) {
+  switch (bytes) {
+    case 256: return IBV_MTU_256;
+    case 512: return IBV_MTU_512;
+    case 1024: return IBV_MTU_1024;
+    case 2048: return IBV_MTU_2048;
+    default: return IBV_MTU_4096;
+  }
+}
+
+std::string size_text(std::uint64_t bytes) {
+  if (bytes >= (1u << 20) && bytes % (1u << 20) == 0) return std::to_string(bytes >> 20) + " MiB";
+  if (bytes >= 1024 && bytes % 1024 == 0) return std::to_string(bytes >> 10) + " KiB";
+  return std::to_string(bytes) + " B";
+}
+
+}  // namespace
+
+// ---- Options ----------------------------------------------------------------------
+
+Options Options::from_profile(const config::Profile& p) {
+  Options o;
+  o.hcas = p.verbs.hcas;
+  o.gid_index = p.verbs.gid_index;
+  o.mtu = p.verbs.mtu;
+  o.qps_per_connection = std::max<std::uint32_t>(1, p.verbs.qps_per_connection);
+  o.retry_count = p.verbs.retry_count;
+  o.timeout = p.verbs.timeout;
+  o.pool_bytes = p.memory.host_pool_bytes;
+  if (p.verbs.slot_bytes != 0) o.slot_bytes = p.verbs.slot_bytes;
+  if (p.verbs.slots_per_peer != 0) o.slots_per_peer = p.verbs.slots_per_peer;
+  o.mr_cache_entries = p.verbs.mr_cache_entries;
+  return o;
+}
+
+// ---- Device core: what pairs share and keep alive ----------------------------------
+
+struct Core {
+  LibraryPtr lib;
+  Options options;
+  std::string node;
+  std::unique_ptr<Context> ctx;
+  std::unique_ptr<ProtectionDomain> pd;
+  std::unique_ptr<CompletionChannel> channel;
+  std::shared_ptr<RegisteredPool> pool;
+  std::unique_ptr<MrCache> mr_cache;
+  std::uint32_t port = 1;
+  bool ethernet = false;
+  int gid_index = 0;
+  std::uint8_t gid[16]{};
+  std::string gid_text;
+  std::string gid_type;
+  std::uint16_t lid = 0;
+  std::uint32_t mtu = 0;  // bytes, already min(active, profile)
+  std::uint32_t max_qp_wr = 0;
+  std::uint32_t max_sge = 0;
+  std::uint32_t max_cqe = 0;
+
+  const IbverbsFunctions& fn() const { return lib->fn(); }
+  std::string where() const { return ctx->name() + ":" + std::to_string(port); }
+
+  ~Core() {
+    // Order: registrations, then the PD, the channel, the context.
+    mr_cache.reset();
+    pool.reset();
+    pd.reset();
+    channel.reset();
+    ctx.reset();
+  }
+};
+
+// ---- Pair -------------------------------------------------------------------------
+
+struct Pair::Impl {
+  std::shared_ptr<Core> core;
+  std::string peer;
+
+  mutable std::mutex mu;
+  std::condition_variable cv;
+
+  std::unique_ptr<CompletionQueue> cq;
+  std::vector<std::unique_ptr<QueuePair>> qps;
+  std::vector<std::uint32_t> sq_outstanding;
+  std::uint32_t sq_depth = 0;
+  std::uint32_t rq_depth = 0;
+  std::uint32_t next_qp = 0;
+
+  // Local receive slots (the peer writes here) and the headers of our writes.
+  std::unique_ptr<RegisteredPool::Block> slots;
+  std::unique_ptr<RegisteredPool::Block> headers;
+  std::uint32_t slot_count = 0;
+  std::uint64_t slot_payload = 0;
+  std::uint64_t slot_stride = 0;
+
+  Endpoint remote;
+  std::uint64_t generation = 0;
+  bool connected = false;
+  bool broken = false;
+  Code error_code = Code::ok;
+  std::string error;
+
+  // Sending.
+  struct WriteOp {
+    std::uint64_t tag = 0;
+    Buffer buffer;
+    std::size_t offset = 0;
+    std::size_t length = 0;
+    MessagePart part;
+    std::size_t posted = 0;  // bytes
+    std::uint32_t outstanding = 0;
+    bool all_posted = false;
+  };
+  std::map<std::uint64_t, WriteOp> ops;
+  std::deque<std::uint64_t> pending;        // ops with bytes not yet posted, in order
+  std::deque<std::uint32_t> free_remote;    // remote slots we may write
+  std::deque<std::pair<std::uint32_t, std::uint32_t>> credits_to_send;  // (first, count)
+  std::set<std::uint64_t> dropped;          // op ids failed by a rebuild
+  std::uint64_t next_id = 1;
+  bool probe_in_flight = false;
+
+  // Receiving.
+  std::deque<Chunk> arrived;
+  std::vector<bool> slot_held;
+
+  PairStats stats;
+
+  SlotHeader* header_for(std::uint32_t remote_slot) const {
+    return reinterpret_cast<SlotHeader*>(headers->data() + remote_slot * kHeaderBytes);
+  }
+  std::byte* slot_addr(std::uint32_t slot) const { return slots->data() + slot * slot_stride; }
+
+  std::string name() const { return "node " + peer; }
+
+  // Records the first error; later ones (flushes that follow it) add nothing.
+  void set_broken(Code code, std::string message) {
+    if (broken) return;
+    broken = true;
+    error_code = code;
+    error = std::move(message);
+    cv.notify_all();
+  }
+  [[noreturn]] void throw_broken() const { throw Error(error_code, error); }
+
+  void post_recv(std::uint32_t qp) {
+    ibv_recv_wr wr{};
+    ibv_recv_wr* bad = nullptr;
+    // WRITE WITH IMMEDIATE consumes a receive request but writes no bytes
+    // through it: no scatter list needed.
+    wr.wr_id = wr_id(generation, WrKind::recv, qp, 0);
+    wr.num_sge = 0;
+    const int rc = ibv_post_recv(qps[qp]->get(), &wr, &bad);
+    if (rc != 0) {
+      set_broken(Code::system, "verbs connection to " + name() + ": ibv_post_recv on " +
+                                   core->where() + ": " + std::strerror(rc));
+    }
+  }
+
+  // Picks a queue pair with room in its send queue (round robin); -1 if none.
+  int pick_qp() {
+    for (std::size_t i = 0; i < qps.size(); ++i) {
+      const std::uint32_t q = (next_qp + i) % qps.size();
+      if (sq_outstanding[q] < sq_depth) {
+        next_qp = (q + 1) % qps.size();
+        return static_cast<int>(q);
+      }
+    }
+    return -1;
+  }
+
+  bool post_send(std::uint32_t q, ibv_send_wr& wr, const char* what) {
+    ibv_send_wr* bad = nullptr;
+    const int rc = ibv_post_send(qps[q]->get(), &wr, &bad);
+    if (rc != 0) {
+      set_broken(Code::system, "verbs connection to " + name() + ": ibv_post_send (" + what +
+                                   ") on " + core->where() + " qpn " +
+                                   std::to_string(qps[q]->qpn()) + ": " + std::strerror(rc));
+      return false;
+    }
+    ++sq_outstanding[q];
+    return true;
+  }
+
+  // Posts what credits and send-queue room allow. Called with `mu` held.
+  void pump() {
+    if (broken || !connected) return;
+    while (!credits_to_send.empty()) {
+      const int q = pick_qp();
+      if (q < 0) return;
+      const auto [first, count] = credits_to_send.front();
+      ibv_send_wr wr{};
+      wr.wr_id = wr_id(generation, WrKind::credit, q, first);
+      wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+      wr.send_flags = IBV_SEND_SIGNALED;
+      wr.num_sge = 0;  // zero-length: only the immediate travels
+      wr.imm_data = htonl(credit_imm(first, count));
+      wr.wr.rdma.remote_addr = remote.slot_addr;
+      wr.wr.rdma.rkey = remote.slot_rkey;
+      if (!post_send(q, wr, "credit")) return;
+      credits_to_send.pop_front();
+      ++stats.credit_messages;
+    }
+    while (!pending.empty()) {
+      auto it = ops.find(pending.front());
+      if (it == ops.end()) {
+        pending.pop_front();
+        continue;
+      }
+      WriteOp& op = it->second;
+      if (free_remote.empty()) {
+        ++stats.credit_stalls;
+        return;
+      }
+      const int q = pick_qp();
+      if (q < 0) return;
+      const std::uint32_t slot = free_remote.front();
+      const std::size_t n = std::min<std::size_t>(remote.slot_payload, op.length - op.posted);
+      SlotHeader* h = header_for(slot);
+      h->magic = kSlotMagic;
+      h->length = static_cast<std::uint32_t>(n);
+      h->tag = op.tag;
+      h->offset = op.part.offset + op.posted;
+      h->total = op.part.total != 0 ? op.part.total : op.length;
+      ibv_sge sge[2]{};
+      sge[0].addr = reinterpret_cast<std::uintptr_t>(h);
+      sge[0].length = kHeaderBytes;
+      sge[0].lkey = headers->lkey();
+      sge[1].addr = reinterpret_cast<std::uintptr_t>(op.buffer.data() + op.offset + op.posted);
+      sge[1].length = static_cast<std::uint32_t>(n);
+      sge[1].lkey = op.buffer.lkey();
+      ibv_send_wr wr{};
+      wr.wr_id = wr_id(generation, WrKind::data, q, it->first);
+      wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+      wr.send_flags = IBV_SEND_SIGNALED;
+      wr.sg_list = sge;
+      wr.num_sge = n > 0 ? 2 : 1;
+      wr.imm_data = htonl(slot);
+      wr.wr.rdma.remote_addr = remote.slot_addr + slot * remote.slot_stride;
+      wr.wr.rdma.rkey = remote.slot_rkey;
+      if (!post_send(q, wr, "RDMA WRITE")) return;
+      free_remote.pop_front();
+      op.posted += n;
+      ++op.outstanding;
+      stats.bytes_written += n;
+      if (op.posted == op.length) {
+        op.all_posted = true;
+        pending.pop_front();
+      }
+    }
+  }
+
+  void post_probe() {
+    if (broken || !connected || probe_in_flight) return;
+    const int q = pick_qp();
+    if (q < 0) return;
+    // A zero-length RDMA WRITE: consumes nothing at the peer but must be
+    // acknowledged by its QP, so a dead peer shows up as a retry error.
+    ibv_send_wr wr{};
+    wr.wr_id = wr_id(generation, WrKind::probe, q, 0);
+    wr.opcode = IBV_WR_RDMA_WRITE;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.num_sge = 0;
+    wr.wr.rdma.remote_addr = remote.slot_addr;
+    wr.wr.rdma.rkey = remote.slot_rkey;
+    if (post_send(q, wr, "probe")) probe_in_flight = true;
+  }
+
+  std::string wc_error(const ibv_wc& wc) const {
+    const std::uint32_t q = wr_qp(wc.wr_id);
+    const char* op = "receive";
+    switch (wr_kind(wc.wr_id)) {
+      case WrKind::data: op = "RDMA WRITE"; break;
+      case WrKind::credit: op = "credit write"; break;
+      case WrKind::probe: op = "liveness probe"; break;
+      case WrKind::recv: op = "receive"; break;
+    }
+    std::ostringstream m;
+    m << "verbs connection to " << name() << " failed: " << core->fn().wc_status_str(wc.status)
+      << " (status " << wc.status << ", vendor error 0x" << std::hex << wc.vendor_err << std::dec
+      << ") on " << op << ", " << core->where();
+    if (q < qps.size()) m << " qpn " << qps[q]->qpn();
+    if (q < remote.qpns.size()) m << " -> " << peer << " qpn " << remote.qpns[q];
+    if (wc.status == IBV_WC_RETRY_EXC_ERR) {
+      m << "; the peer did not acknowledge within verbs.retry_count=" << core->options.retry_count
+        << " x verbs.timeout=" << core->options.timeout
+        << ": its daemon is dead or unreachable, or its QP is in error";
+    }
+    return m.str();
+  }
+
+  // One completion. Called with `mu` held.
+  void handle(const ibv_wc& wc) {
+    if (wr_generation(wc.wr_id) != (generation & kGenerationMask)) return;  // before a rebuild
+    const std::uint32_t q = wr_qp(wc.wr_id);
+    const WrKind kind = wr_kind(wc.wr_id);
+    if (kind != WrKind::recv && q < sq_outstanding.size() && sq_outstanding[q] > 0) {
+      --sq_outstanding[q];
+    }
+    if (wc.status != IBV_WC_SUCCESS) {
+      if (kind == WrKind::probe) probe_in_flight = false;
+      set_broken(Code::remote, wc_error(wc));
+      return;
+    }
+    switch (kind) {
+      case WrKind::data: {
+        // Op ids are unique below 2^40 (more writes than that wrap the lookup).
+        auto it = ops.find(wr_value(wc.wr_id));
+        if (it != ops.end() && --it->second.outstanding == 0 && it->second.all_posted) {
+          ops.erase(it);
+          cv.notify_all();
+        }
+        break;
+      }
+      case WrKind::probe:
+        probe_in_flight = false;
+        break;
+      case WrKind::credit:
+        break;
+      case WrKind::recv: {
+        if (q < qps.size()) post_recv(q);
+        if ((wc.wc_flags & IBV_WC_WITH_IMM) == 0) break;
+        const std::uint32_t imm = ntohl(wc.imm_data);
+        if ((imm & kCreditBit) != 0) {
+          const std::uint32_t first = imm & 0xffff;
+          const std::uint32_t count = (imm >> 16) & 0x7fff;
+          for (std::uint32_t s = first; s < first + count && s < remote.slot_count; ++s) {
+            free_remote.push_back(s);
+          }
+          break;
+        }
+        const std::uint32_t slot = imm;
+        if (slot >= slot_count) {
+          set_broken(Code::protocol, "verbs connection to " + name() + ": write into slot " +
+                                         std::to_string(slot) + " of " +
+                                         std::to_string(slot_count));
+          return;
+        }
+        const auto* h = reinterpret_cast<const SlotHeader*>(slot_addr(slot));
+        if (h->magic != kSlotMagic || h->length > slot_payload || h->offset > h->total ||
+            h->length > h->total - h->offset) {
+          set_broken(Code::protocol, "verbs connection to " + name() + ": malformed slot header in slot " +
+                                         std::to_string(slot));
+          return;
+        }
+        Chunk c;
+        c.tag = h->tag;
+        c.offset = h->offset;
+        c.total = h->total;
+        c.data = std::span<const std::byte>(slot_addr(slot) + kHeaderBytes, h->length);
+        c.slot = slot;
+        c.generation = generation;
+        slot_held[slot] = true;
+        arrived.push_back(c);
+        ++stats.chunks_received;
+        cv.notify_all();
+        break;
+      }
+    }
+  }
+
+  // Polls this pair's CQ once; returns the number of completions handled.
+  int poll() {
+    std::lock_guard lock(mu);
+    if (!cq) return 0;
+    ibv_wc wc[16];
+    const int n = ibv_poll_cq(cq->get(), 16, wc);
+    if (n < 0) {
+      set_broken(Code::system, "verbs connection to " + name() + ": ibv_poll_cq on " +
+                                   core->where() + " failed");
+      return 0;
+    }
+    for (int i = 0; i < n; ++i) handle(wc[i]);
+    if (n > 0) pump();
+    return n;
+  }
+
+  void arm() {
+    std::lock_guard lock(mu);
+    if (cq) ibv_req_notify_cq(cq->get(), 0);
+  }
+
+  // Creates fresh QPs (RESET -> INIT, receives posted) and returns our side's
+  // parameters. Called with `mu` held.
+  Endpoint prepare() {
+    ++generation;
+    connected = false;
+    qps.clear();  // destroying a QP discards its outstanding work requests
+    const Options& o = core->options;
+    // Send queue: data writes (one per remote slot in flight) + credits (one
+    // per local slot) + a probe; receive queue: data + credits arriving.
+    sq_depth = std::min<std::uint32_t>(2 * o.slots_per_peer + 2, core->max_qp_wr);
+    rq_depth = std::min<std::uint32_t>(2 * o.slots_per_peer + 2, core->max_qp_wr);
+    sq_outstanding.assign(o.qps_per_connection, 0);
+    std::random_device rd;
+    Endpoint local;
+    local.node = core->node;
+    local.lid = core->lid;
+    std::memcpy(local.gid, core->gid, 16);
+    local.mtu = core->mtu;
+    for (std::uint32_t i = 0; i < o.qps_per_connection; ++i) {
+      qps.push_back(std::make_unique<QueuePair>(*core->pd, cq->get(), sq_depth, rq_depth, 2));
+      ibv_qp_attr a{};
+      a.qp_state = IBV_QPS_INIT;
+      a.pkey_index = 0;
+      a.port_num = static_cast<std::uint8_t>(core->port);
+      a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE;
+      qps.back()->modify(a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS,
+                         "RESET->INIT", peer);
+      local.qpns.push_back(qps.back()->qpn());
+      local.psns.push_back(rd() & 0xffffff);
+    }
+    local.slot_addr = reinterpret_cast<std::uintptr_t>(slots->data());
+    local.slot_rkey = slots->rkey();
+    local.slot_count = slot_count;
+    local.slot_stride = slot_stride;
+    local.slot_payload = slot_payload;
+    // Receives go in before RTR: a write that arrives first must find one.
+    for (std::uint32_t q = 0; q < qps.size(); ++q) {
+      for (std::uint32_t i = 0; i < rq_depth; ++i) post_recv(q);
+    }
+    if (broken) throw_broken();
+    // Reset the data path.
+    ops.clear();
+    pending.clear();
+    credits_to_send.clear();
+    arrived.clear();
+    slot_held.assign(slot_count, false);
+    probe_in_flight = false;
+    return local;
+  }
+
+  // INIT -> RTR -> RTS against the peer's parameters. Called with `mu` held.
+  void activate(const Endpoint& local, const Endpoint& r) {
+    const Options& o = core->options;
+    // Both sides keep the smaller number of QPs (nodes' profiles may differ).
+    const std::size_t n = std::min(qps.size(), r.qpns.size());
+    qps.resize(n);
+    sq_outstanding.resize(n);
+    const std::uint32_t mtu = std::min(core->mtu, r.mtu);
+    for (std::size_t i = 0; i < n; ++i) {
+      ibv_qp_attr a{};
+      a.qp_state = IBV_QPS_RTR;
+      a.path_mtu = mtu_enum(mtu);
+      a.dest_qp_num = r.qpns[i];
+      a.rq_psn = r.psns[i];
+      a.max_dest_rd_atomic = 1;
+      a.min_rnr_timer = 12;  // 0.64 ms before a sender retries a receive-not-ready
+      a.ah_attr.port_num = static_cast<std::uint8_t>(core->port);
+      a.ah_attr.dlid = r.lid;
+      a.ah_attr.sl = 0;
+      if (core->ethernet) {
+        // RoCE has no LIDs: the address is the GID, carried in a GRH.
+        a.ah_attr.is_global = 1;
+        std::memcpy(a.ah_attr.grh.dgid.raw, r.gid, 16);
+        a.ah_attr.grh.sgid_index = static_cast<std::uint8_t>(core->gid_index);
+        a.ah_attr.grh.hop_limit = 64;
+      }
+      qps[i]->modify(a,
+                     IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                         IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER,
+                     "INIT->RTR", peer);
+      ibv_qp_attr s{};
+      s.qp_state = IBV_QPS_RTS;
+      s.timeout = static_cast<std::uint8_t>(o.timeout);
+      s.retry_cnt = static_cast<std::uint8_t>(o.retry_count);
+      // 7 = retry receive-not-ready forever: flow control keeps receives posted,
+      // and a dead peer is caught by the transport retries instead.
+      s.rnr_retry = 7;
+      s.sq_psn = local.psns[i];
+      s.max_rd_atomic = 1;
+      qps[i]->modify(s,
+                     IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                         IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC,
+                     "RTR->RTS", peer);
+    }
+    remote = r;
+    remote.qpns.resize(n);
+    remote.psns.resize(n);
+    remote.mtu = mtu;
+    free_remote.clear();
+    for (std::uint32_t s = 0; s < r.slot_count; ++s) free_remote.push_back(s);
+    // Our headers array has one entry per remote slot.
+    if (headers == nullptr || headers->size() < r.slot_count * kHeaderBytes) {
+      headers = core->pool->allocate(r.slot_count * kHeaderBytes);
+    }
+  }
+
+  void establish(ExchangeChannel& channel, Clock::time_point deadline) {
+    try {
+      establish_once(channel, deadline);
+    } catch (const Error& e) {
+      std::lock_guard lock(mu);
+      set_broken(e.code(), e.what());
+      throw;
+    }
+  }
+
+  void establish_once(ExchangeChannel& channel, Clock::time_point deadline) {
+    Endpoint local;
+    {
+      std::lock_guard lock(mu);
+      broken = false;
+      error.clear();
+      error_code = Code::ok;
+      local = prepare();
+    }
+    channel.send(encode(local));
+    const Endpoint r = decode(channel.receive(deadline), peer);
+    if (r.node != peer) {
+      throw Error(Code::protocol, "verbs connection parameters came from node " + r.node +
+                                      ", expected " + peer);
+    }
+    {
+      std::lock_guard lock(mu);
+      activate(local, r);
+    }
+    // Neither side writes before the other reached RTS (a write into a QP
+    // still in INIT would be dropped and retried).
+    Writer w;
+    w.u32(kReadyMagic);
+    w.u64(generation);
+    channel.send(w.out());
+    const std::vector<std::byte> ready = channel.receive(deadline);
+    Reader rr(ready, peer);
+    if (rr.u32() != kReadyMagic) {
+      throw Error(Code::protocol, "expected the verbs ready message from " + peer);
+    }
+    std::lock_guard lock(mu);
+    connected = true;
+    cv.notify_all();
+  }
+
+  // Copies every arrived chunk still in its slot to the heap and gives the
+  // slots back (see Pair::next_chunk). Called with `mu` held.
+  void spill() {
+    for (Chunk& c : arrived) {
+      if (c.spilled || c.generation != generation) continue;
+      auto copy = std::make_shared<std::vector<std::byte>>(c.data.begin(), c.data.end());
+      c.data = std::span<const std::byte>(copy->data(), copy->size());
+      c.spilled = std::move(copy);
+      give_back(c.slot);
+      ++stats.spilled_chunks;
+    }
+    pump();
+  }
+
+  // Queues the credit for local slot `slot`. Called with `mu` held.
+  void give_back(std::uint32_t slot) {
+    slot_held[slot] = false;
+    // Coalesce with the last queued credit when adjacent.
+    if (!credits_to_send.empty() &&
+        credits_to_send.back().first + credits_to_send.back().second == slot) {
+      ++credits_to_send.back().second;
+    } else {
+      credits_to_send.emplace_back(slot, 1);
+    }
+  }
+
+  // Waits on `cv` until `done()` or the deadline, probing the peer while it
+  // takes long, so that a dead peer fails the wait before its deadline.
+  template <typename Done>
+  void wait(std::unique_lock<std::mutex>& lock, Clock::time_point deadline, Done done,
+            const std::function<std::string()>& what) {
+    constexpr auto kProbeEvery = std::chrono::milliseconds(500);
+    // The waiter polls the completion queue itself for a while (no hand-off
+    // through the progress thread and a condition variable), then sleeps.
+    const auto poll_until = Clock::now() + std::chrono::microseconds(core->options.wait_poll_us);
+    while (!done()) {
+      if (broken) throw_broken();
+      const auto now = Clock::now();
+      if (now >= deadline) {
+        throw Error(Code::timeout, "verbs connection to " + name() + ": " + what() +
+                                       " did not happen before the deadline");
+      }
+      if (now < poll_until) {
+        lock.unlock();
+        poll();
+        lock.lock();
+        continue;
+      }
+      if (cv.wait_until(lock, std::min(deadline, now + kProbeEvery)) == std::cv_status::timeout) {
+        post_probe();
+      }
+    }
+  }
+};
+
+Pair::Pair(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Pair::~Pair() = default;
+
+const std::string& Pair::peer() const { return impl_->peer; }
+
+std::uint64_t Pair::post_write(std::uint64_t tag, const Buffer& buffer, std::size_t offset,
+                               std::size_t length, MessagePart part) {
+  Impl& p = *impl_;
+  if (offset > buffer.size() || length > buffer.size() - offset) {
+    throw Error(Code::invalid_argument, "verbs write to " + p.name() + ": range " +
+                                            std::to_string(offset) + "+" + std::to_string(length) +
+                                            " outside the buffer of " +
+                                            std::to_string(buffer.size()) + " bytes");
+  }
+  if (part.total != 0 && (part.offset > part.total || length > part.total - part.offset)) {
+    throw Error(Code::invalid_argument, "verbs write to " + p.name() + ": part " +
+                                            std::to_string(part.offset) + "+" +
+                                            std::to_string(length) + " outside the message of " +
+                                            std::to_string(part.total) + " bytes");
+  }
+  std::lock_guard lock(p.mu);
+  if (p.broken) p.throw_broken();
+  if (!p.connected) throw Error(Code::invalid_usage, "verbs connection to " + p.name() + " is not connected");
+  const std::uint64_t id = p.next_id++;
+  Impl::WriteOp& op = p.ops[id];
+  op.tag = tag;
+  op.buffer = buffer;
+  op.offset = offset;
+  op.length = length;
+  op.part = part;
+  p.pending.push_back(id);
+  ++p.stats.writes_posted;
+  p.pump();
+  return id;
+}
+
+void Pair::wait_written(std::uint64_t id, Clock::time_point deadline) {
+  Impl& p = *impl_;
+  std::unique_lock lock(p.mu);
+  if (p.dropped.count(id) != 0) {
+    throw Error(Code::aborted, "verbs write " + std::to_string(id) + " to " + p.name() +
+                                   " was dropped when the connection was rebuilt");
+  }
+  p.wait(lock, deadline, [&] { return id < p.next_id && p.ops.count(id) == 0; },
+         [&] { return "completion of write " + std::to_string(id); });
+}
+
+Chunk Pair::next_chunk(std::optional<std::uint64_t> tag, Clock::time_point deadline) {
+  Impl& p = *impl_;
+  std::unique_lock lock(p.mu);
+  Chunk out;
+  auto find = [&] {
+    for (auto it = p.arrived.begin(); it != p.arrived.end(); ++it) {
+      if (!tag || it->tag == *tag) {
+        out = *it;
+        p.arrived.erase(it);
+        return true;
+      }
+    }
+    return false;
+  };
+  auto find_or_spill = [&] {
+    if (find()) return true;
+    if (tag) {
+      p.spill();
+    } else {
+      p.pump();  // deferred credits (release) go out before waiting
+    }
+    return false;
+  };
+  p.wait(lock, deadline, find_or_spill, [&] {
+    return tag ? "a message with tag " + std::to_string(*tag) : std::string("a message");
+  });
+  return out;
+}
+
+void Pair::release(const Chunk& chunk) {
+  Impl& p = *impl_;
+  std::lock_guard lock(p.mu);
+  if (chunk.spilled || chunk.generation != p.generation || chunk.slot >= p.slot_held.size() ||
+      !p.slot_held[chunk.slot]) {
+    return;
+  }
+  p.give_back(chunk.slot);
+  // Credits go back in batches: right away when nothing else waits to be
+  // read (or a quarter of the slots is pending), else with the next batch
+  // (the progress thread's pump, or a reader that finds nothing).
+  std::uint32_t queued = 0;
+  for (const auto& c : p.credits_to_send) queued += c.second;
+  if (p.arrived.empty() || queued >= std::max<std::uint32_t>(1, p.slot_count / 4)) p.pump();
+}
+
+void Pair::receive(std::uint64_t tag, std::span<std::byte> destination,
+                   Clock::time_point deadline) {
+  std::uint64_t got = 0;
+  do {
+    const Chunk c = next_chunk(tag, deadline);
+    if (c.total != destination.size()) {
+      release(c);
+      throw Error(Code::mismatch, "verbs message with tag " + std::to_string(tag) + " from " +
+                                      impl_->name() + " has " + std::to_string(c.total) +
+                                      " bytes, the receiver expects " +
+                                      std::to_string(destination.size()));
+    }
+    std::memcpy(destination.data() + c.offset, c.data.data(), c.data.size());
+    got += c.data.size();
+    release(c);
+  } while (got < destination.size());
+}
+
+bool Pair::healthy() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->connected && !impl_->broken;
+}
+
+std::string Pair::error() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->broken ? impl_->error : std::string();
+}
+
+void Pair::fail(const std::string& reason) {
+  std::lock_guard lock(impl_->mu);
+  impl_->set_broken(Code::remote, "verbs connection to " + impl_->name() + ": " + reason);
+}
+
+void Pair::force_error() {
+  Impl& p = *impl_;
+  std::lock_guard lock(p.mu);
+  p.set_broken(Code::remote, "verbs connection to " + p.name() +
+                                 ": queue pairs moved to the error state (force_error)");
+  for (auto& qp : p.qps) {
+    ibv_qp_attr a{};
+    a.qp_state = IBV_QPS_ERR;
+    try {
+      qp->modify(a, IBV_QP_STATE, "->ERR", p.peer);
+    } catch (const Error&) {
+      // already in error or gone: nothing more to stop
+    }
+  }
+}
+
+void Pair::rebuild(ExchangeChannel& channel, Clock::time_point deadline) {
+  Impl& p = *impl_;
+  {
+    std::lock_guard lock(p.mu);
+    for (const auto& [id, op] : p.ops) p.dropped.insert(id);
+    p.set_broken(Code::aborted, "verbs connection to " + p.name() + " is being rebuilt");
+    ++p.stats.rebuilds;
+  }
+  p.establish(channel, deadline);
+}
+
+std::string Pair::describe() const {
+  const Impl& p = *impl_;
+  std::lock_guard lock(p.mu);
+  std::ostringstream s;
+  s << p.core->where() << " qpn";
+  for (std::size_t i = 0; i < p.qps.size(); ++i) s << (i ? "," : " ") << p.qps[i]->qpn();
+  s << " -> " << p.peer << " qpn";
+  for (std::size_t i = 0; i < p.remote.qpns.size(); ++i) s << (i ? "," : " ") << p.remote.qpns[i];
+  s << ", mtu " << p.remote.mtu << ", " << p.slot_count << " slots of " << size_text(p.slot_payload)
+    << " here, " << p.remote.slot_count << " of " << size_text(p.remote.slot_payload) << " there";
+  return s.str();
+}
+
+PairStats Pair::stats() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->stats;
+}
+
+// ---- Device -----------------------------------------------------------------------
+
+struct Device::Impl {
+  std::shared_ptr<Core> core;
+  std::mutex pairs_mu;
+  std::vector<std::weak_ptr<Pair::Impl>> pairs;
+  std::atomic<std::uint64_t> pairs_version{0};
+  int wake_fd = -1;
+  std::atomic<bool> stop{false};
+  std::thread progress;
+
+  void wake() {
+    const std::uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = ::write(wake_fd, &one, sizeof one);
+  }
+
+  // Busy-polls every pair's CQ; after spin_us without work yields the CPU, and
+  // after yield_us without work arms the CQs and sleeps on the completion channel
+  // (a verbs event) or the wake descriptor (new pair, stop).
+  void progress_loop() {
+    std::vector<std::shared_ptr<Pair::Impl>> snapshot;
+    std::uint64_t seen = ~0ull;
+    auto idle_since = Clock::now();
+    const std::chrono::microseconds spin(core->options.spin_us);
+    const std::chrono::microseconds yield(std::max(core->options.spin_us, core->options.yield_us));
+    while (!stop.load(std::memory_order_relaxed)) {
+      // A pair whose owner let go is referenced by the snapshot alone: drop it here.
+      bool stale = false;
+      for (auto& p : snapshot) stale = stale || p.use_count() == 1;
+      if (stale || pairs_version.load() != seen) {
+        std::lock_guard lock(pairs_mu);
+        seen = pairs_version.load();
+        snapshot.clear();
+        for (auto it = pairs.begin(); it != pairs.end();) {
+          if (auto sp = it->lock()) {
+            snapshot.push_back(std::move(sp));
+            ++it;
+          } else {
+            it = pairs.erase(it);
+          }
+        }
+      }
+      int work = 0;
+      for (auto& p : snapshot) work += p->poll();
+      if (work > 0) {
+        idle_since = Clock::now();
+        continue;
+      }
+      const auto idle = Clock::now() - idle_since;
+      if (idle < spin) continue;
+      if (idle < yield) {
+        sched_yield();
+        continue;
+      }
+      for (auto& p : snapshot) p->arm();
+      // A completion between the last poll and arming raised no event: poll again.
+      for (auto& p : snapshot) work += p->poll();
+      if (work > 0) {
+        idle_since = Clock::now();
+        continue;
+      }
+      pollfd fds[2] = {{core->channel->fd(), POLLIN, 0}, {wake_fd, POLLIN, 0}};
+      // The wake descriptor covers stop and new pairs; the timeout is a safety net.
+      const int ready = ::poll(fds, 2, 1000);
+      // Read and acknowledge every event now (ibv_destroy_cq waits for read events to be acked).
+      ibv_cq* cq = nullptr;
+      void* user = nullptr;
+      while (core->fn().get_cq_event(core->channel->get(), &cq, &user) == 0) {
+        core->fn().ack_cq_events(cq, 1);
+      }
+      std::uint64_t v = 0;
+      while (::read(wake_fd, &v, sizeof v) > 0) {
+      }
+      // After a wake-up, busy-poll again from the start (not after the timeout:
+      // an idle device goes straight back to sleep).
+      if (ready > 0) idle_since = Clock::now();
+    }
+  }
+
+  ~Impl() {
+    stop = true;
+    if (progress.joinable()) {
+      wake();
+      progress.join();
+    }
+    if (wake_fd >= 0) ::close(wake_fd);
+  }
+};
+
+Device::Device(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Device::~Device() {
+  // Pairs that outlive the device fail; their core (PD, pool) stays until they go.
+  std::lock_guard lock(impl_->pairs_mu);
+  for (auto& w : impl_->pairs) {
+    if (auto p = w.lock()) {
+      std::lock_guard plock(p->mu);
+      p->set_broken(Code::aborted, "verbs device " + impl_->core->where() + " was closed");
+    }
+  }
+}
+
+std::unique_ptr<Device> Device::open(std::shared_ptr<const IbverbsLibrary> lib,
+                                     const Options& options, std::string local_node,
+                                     std::optional<config::VerbsHca> hca) {
+  if (!hca) {
+    for (const DeviceInfo& d : discover_devices(*lib)) {
+      for (const PortInfo& p : d.ports) {
+        if (p.active && !hca) hca = config::VerbsHca{d.name, p.number};
+      }
+    }
+    if (!hca) {
+      throw Error(Code::unavailable, "no active RDMA port: " + no_devices_reason());
+    }
+  }
+  auto core = std::make_shared<Core>();
+  core->lib = lib;
+  core->options = options;
+  core->node = std::move(local_node);
+  core->port = hca->port;
+  core->ctx = std::make_unique<Context>(lib, hca->name);
+  const IbverbsFunctions& f = lib->fn();
+
+  ibv_device_attr dattr{};
+  if (const int rc = f.query_device(core->ctx->get(), &dattr); rc != 0) {
+    throw_errno("ibv_query_device " + hca->name, rc > 0 ? rc : errno);
+  }
+  if (hca->port < 1 || hca->port > dattr.phys_port_cnt) {
+    throw Error(Code::not_found, "RDMA device " + hca->name + " has no port " +
+                                     std::to_string(hca->port) + " (ports 1.." +
+                                     std::to_string(dattr.phys_port_cnt) + "; verbs.hcas)");
+  }
+  core->max_qp_wr = static_cast<std::uint32_t>(dattr.max_qp_wr);
+  core->max_sge = static_cast<std::uint32_t>(dattr.max_sge);
+  core->max_cqe = static_cast<std::uint32_t>(dattr.max_cqe);
+  const PortInfo port = query_port_info(f, core->ctx->get(), hca->name, hca->port);
+  if (!port.active) {
+    throw Error(Code::unavailable, "RDMA port " + core->where() + " is " + port.state +
+                                       ", not PORT_ACTIVE (cable, switch or subnet manager)");
+  }
+  core->ethernet = port.link_layer == "Ethernet";
+  core->lid = port.lid;
+  if (options.gid_index >= 0) {
+    core->gid_index = options.gid_index;
+  } else {
+    const std::optional<int> chosen = choose_gid_index(port);
+    if (!chosen) throw Error(Code::unavailable, "RDMA port " + core->where() + " has no GID");
+    core->gid_index = *chosen;
+  }
+  ibv_gid gid{};
+  if (f.query_gid(core->ctx->get(), static_cast<std::uint8_t>(hca->port), core->gid_index, &gid) !=
+      0) {
+    throw Error(Code::invalid_argument, "GID index " + std::to_string(core->gid_index) + " of " +
+                                            core->where() + " cannot be read (verbs.gid_index)");
+  }
+  std::memcpy(core->gid, gid.raw, 16);
+  core->gid_text = format_gid(gid.raw);
+  core->gid_type = read_gid_attrs("/sys", hca->name, hca->port, core->gid_index).type;
+  core->mtu = port.active_mtu;
+  if (options.mtu != 0) core->mtu = std::min(core->mtu, options.mtu);
+  if (core->max_sge < 2) {
+    throw Error(Code::unavailable, core->where() + " supports " + std::to_string(core->max_sge) +
+                                       " scatter-gather entries per work request; 2 are needed");
+  }
+
+  core->pd = std::make_unique<ProtectionDomain>(*core->ctx);
+  core->channel = std::make_unique<CompletionChannel>(*core->ctx);
+  core->pool = RegisteredPool::create(*core->pd, options.pool_bytes);
+  core->mr_cache = std::make_unique<MrCache>(*core->pd, options.mr_cache_entries);
+
+  auto impl = std::make_unique<Impl>();
+  impl->core = core;
+  impl->wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (impl->wake_fd < 0) throw_errno("eventfd for the verbs progress thread");
+  Impl* raw = impl.get();
+  impl->progress = std::thread([raw] { raw->progress_loop(); });
+  return std::unique_ptr<Device>(new Device(std::move(impl)));
+}
+
+Buffer Device::allocate(std::size_t size) {
+  std::shared_ptr<RegisteredPool::Block> block = impl_->core->pool->allocate(size);
+  Buffer b;
+  b.data_ = block->data();
+  b.size_ = size;
+  b.lkey_ = block->lkey();
+  b.owner_ = std::move(block);
+  return b;
+}
+
+Buffer Device::register_memory(void* data, std::size_t size) {
+  std::shared_ptr<MemoryRegion> mr = impl_->core->mr_cache->get(data, size);
+  Buffer b;
+  b.data_ = static_cast<std::byte*>(data);
+  b.size_ = size;
+  b.lkey_ = mr->lkey();
+  b.owner_ = std::move(mr);
+  return b;
+}
+
+void Device::invalidate(void* data, std::size_t size) { impl_->core->mr_cache->invalidate(data, size); }
+
+std::unique_ptr<Pair> Device::connect(ExchangeChannel& channel, const std::string& peer_node,
+                                      Clock::time_point deadline) {
+  const std::shared_ptr<Core>& core = impl_->core;
+  const Options& o = core->options;
+  auto p = std::make_shared<Pair::Impl>();
+  p->core = core;
+  p->peer = peer_node;
+  p->slot_count = o.slots_per_peer;
+  p->slot_payload = o.slot_bytes;
+  p->slot_stride = kHeaderBytes + o.slot_bytes;
+  p->slots = core->pool->allocate(p->slot_count * p->slot_stride);
+  const std::uint64_t sq = std::min<std::uint64_t>(2 * o.slots_per_peer + 2, core->max_qp_wr);
+  const std::uint64_t cqe = std::min<std::uint64_t>(2 * sq * o.qps_per_connection + 16,
+                                                    core->max_cqe);
+  p->cq = std::make_unique<CompletionQueue>(*core->ctx, static_cast<int>(cqe),
+                                            core->channel.get(), p.get());
+  {
+    std::lock_guard lock(impl_->pairs_mu);
+    impl_->pairs.push_back(p);
+    ++impl_->pairs_version;
+  }
+  impl_->wake();
+  try {
+    p->establish(channel, deadline);
+  } catch (const Error& e) {
+    throw Error(e.code(), "connecting verbs to node " + peer_node + " from " + core->where() +
+                              ": " + e.what());
+  }
+  return std::unique_ptr<Pair>(new Pair(std::move(p)));
+}
+
+std::string Device::describe() const {
+  const Core& c = *impl_->core;
+  std::ostringstream s;
+  s << c.ctx->name() << " port " << c.port << " (" << (c.ethernet ? "Ethernet" : "InfiniBand");
+  if (c.ethernet) {
+    s << ", " << (c.gid_type.empty() ? "RoCE" : c.gid_type) << " gid " << c.gid_index << ' '
+      << c.gid_text;
+  } else {
+    s << ", lid " << c.lid;
+  }
+  s << ", mtu " << c.mtu << ", pool " << size_text(c.pool->capacity()) << ")";
+  return s.str();
+}
+
+const std::string& Device::name() const { return impl_->core->ctx->name(); }
+std::uint32_t Device::port() const { return impl_->core->port; }
+
+DeviceStats Device::stats() const {
+  const Core& c = *impl_->core;
+  DeviceStats s;
+  s.pool_bytes = c.pool->capacity();
+  s.pool_in_use = c.pool->in_use();
+  s.mr_cache_entries = c.mr_cache->size();
+  s.mr_cache_hits = c.mr_cache->hits();
+  s.mr_cache_misses = c.mr_cache->misses();
+  return s;
+}
+
+std::vector<std::unique_ptr<Device>> open_devices(std::shared_ptr<const IbverbsLibrary> lib,
+                                                  const Options& options,
+                                                  const std::string& local_node) {
+  std::vector<config::VerbsHca> wanted = options.hcas;
+  if (wanted.empty()) {
+    for (const DeviceInfo& d : discover_devices(*lib)) {
+      for (const PortInfo& p : d.ports) {
+        if (p.active) wanted.push_back({d.name, p.number});
+      }
+    }
+    if (wanted.empty()) throw Error(Code::unavailable, "no active RDMA port: " + no_devices_reason());
+  }
+  std::vector<std::unique_ptr<Device>> out;
+  std::string reasons;
+  for (const config::VerbsHca& h : wanted) {
+    try {
+      out.push_back(Device::open(lib, options, local_node, h));
+    } catch (const Error& e) {
+      reasons += (reasons.empty() ? "" : "; ") + std::string(e.what());
+    }
+  }
+  if (out.empty()) throw Error(Code::unavailable, "no RDMA port could be opened: " + reasons);
+  return out;
+}
+
+}  // namespace collectived::verbs

@@ -1,0 +1,369 @@
+// Communicators across nodes: 2, 3 and 4 real collectived processes on
+// distinct loopback addresses stand for nodes, with 1-3 real client processes
+// (ranks) each. The full correctness matrix, connection sharing, split,
+// send/recv, mismatches, dead ranks, a killed peer daemon and its restart,
+// deadlines, and a daemon with the wrong secret.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <thread>
+
+#include "client/collective.h"
+#include "tests/support/collective_check.h"
+#include "tests/support/harness.h"
+#include "tests/support/nodes.h"
+
+using namespace collectived;
+using namespace collectived::test;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+/// `n` daemons sharing one secret, on 127.0.0.2, .3, ...
+struct Cluster {
+  TempDir dir;
+  std::vector<Node> nodes;
+
+  explicit Cluster(int n, std::vector<std::string> extra = {}) {
+    const std::string secret = write_secret(dir, "secret", "multinode test secret\n");
+    for (int i = 0; i < n; ++i) {
+      Node node;
+      node.name = "node" + std::to_string(i);
+      node.ip = "127.0.0." + std::to_string(i + 2);
+      node.secret_file = secret;
+      node.extra = extra;
+      nodes.push_back(std::move(node));
+    }
+    for (auto& node : nodes) node.start();
+  }
+  const std::string& socket(int i) const { return nodes[i].daemon->socket(); }
+  ~Cluster() {
+    // COLLECTIVED_TEST_LOGS=DIR keeps every daemon's log there (debugging).
+    if (const char* keep = std::getenv("COLLECTIVED_TEST_LOGS")) {
+      for (auto& n : nodes) {
+        if (n.daemon) write_file(std::string(keep) + "/" + n.name + "-" + std::to_string(n.port) + ".log", n.daemon->log());
+      }
+    }
+  }
+};
+
+/// Runs one rank per entry of `layout` (rank -> node), each joining `id`
+/// through its node's daemon, then `body(ctx)`; checks that every rank exits 0.
+void run_layout(const Cluster& cl, const std::vector<int>& layout, std::size_t bytes,
+                const std::function<int(RankCtx&)>& body,
+                std::chrono::milliseconds timeout = 240s) {
+  const auto id = new_id(cl.socket(0));
+  const int n = static_cast<int>(layout.size());
+  run_ranks(
+      n,
+      [&](int rank) {
+        RankCtx c = join(cl.socket(layout[rank]), id, n, rank, bytes);
+        c.tolerant = true;
+        const int rc = body(c);
+        if (c.comm) collective_comm_destroy(c.comm);
+        collective_disconnect(c.client);
+        return rc != 0 ? rc : (c.failures == 0 ? 0 : 1);
+      },
+      timeout);
+}
+
+collective_result_t all_reduce_wait(collective_comm_t* comm, const void* s, void* r,
+                                    std::size_t count, int timeout_ms = 20000) {
+  collective_request_t* req = nullptr;
+  collective_result_t rc =
+      collective_all_reduce(comm, s, r, count, COLLECTIVE_INT32, COLLECTIVE_SUM, &req);
+  if (rc == COLLECTIVE_OK) rc = collective_wait(req, timeout_ms);
+  collective_request_free(req);
+  return rc;
+}
+
+/// Fills `n` int32 with `rank + 1`, all-reduces, checks every element is the sum.
+bool sum_check(RankCtx& c, collective_comm_t* comm, std::size_t count) {
+  auto* s = reinterpret_cast<std::int32_t*>(c.send);
+  auto* r = reinterpret_cast<std::int32_t*>(c.recv);
+  const int me = collective_comm_rank(comm), n = collective_comm_size(comm);
+  for (std::size_t i = 0; i < count; ++i) s[i] = me + 1 + static_cast<int>(i);
+  if (all_reduce_wait(comm, s, r, count) != COLLECTIVE_OK) {
+    c.report(std::string("all_reduce: ") + collective_last_error());
+    return false;
+  }
+  for (std::size_t i = 0; i < count; ++i) {
+    const std::int32_t want = n * (n + 1) / 2 + n * static_cast<int>(i);
+    if (r[i] != want) {
+      c.report("element " + std::to_string(i) + " is " + std::to_string(r[i]) + ", expected " +
+               std::to_string(want));
+      return false;
+    }
+  }
+  return true;
+}
+
+std::uint32_t connections_to(const Node& from, const Node& to) {
+  auto c = client_of(from);
+  auto row = peer_row(*c, to.address());
+  return row ? row->connections : 0;
+}
+
+}  // namespace
+
+TEST_CASE("the full matrix across 2, 3 and 4 daemons with 1-3 ranks each") {
+  const std::vector<std::vector<int>> layouts = {
+      {0, 1},              // 2 daemons x 1 rank
+      {0, 0, 1},           // 2 daemons: 2 + 1, the rendezvous daemon's ranks first
+      {1, 0, 2},           // 3 daemons x 1, rank 0 not on the rendezvous daemon
+      {0, 1, 2, 3, 3, 0, 3}};  // 4 daemons: 2, 1, 1, 3 ranks, interleaved
+  for (const auto& layout : layouts) {
+    const int ndaemons = *std::max_element(layout.begin(), layout.end()) + 1;
+    CAPTURE(layout.size());
+    CAPTURE(ndaemons);
+    Cluster cl(ndaemons);
+    run_layout(cl, layout, 4099 * 8 * 8 + 256, [](RankCtx& c) {
+      run_matrix(c);
+      return 0;
+    });
+  }
+}
+
+TEST_CASE("large operations take the ring and chain paths and stay correct") {
+  Cluster cl(3, {"collectives.direct_max_bytes=4KiB", "tcp.chunk_bytes=64KiB"});
+  run_layout(cl, {0, 1, 2, 1}, (1 << 20) * 4 * 4 + 4096, [](RankCtx& c) {
+    // 1 Mi elements of int32 (4 MiB per rank) and an odd count.
+    for (std::size_t count : {std::size_t{1} << 20, std::size_t{300001}}) {
+      for (Op op : kOps) {
+        const std::size_t per = (op == Op::all_gather || op == Op::all_to_all ||
+                                 op == Op::reduce_scatter) ? count / 4 : count;
+        run_case(c, op, COLLECTIVE_INT32, COLLECTIVE_SUM, per, false, 1, 7);
+        run_case(c, op, COLLECTIVE_FLOAT32, COLLECTIVE_SUM, per, true, 2, 8);
+      }
+    }
+    return 0;
+  });
+}
+
+TEST_CASE("a second communicator over the same nodes opens no new connection; many at once") {
+  Cluster cl(2);
+  run_layout(cl, {0, 1}, 1 << 16, [](RankCtx& c) { return sum_check(c, c.comm, 1000) ? 0 : 1; });
+  const std::uint32_t before = connections_to(cl.nodes[0], cl.nodes[1]) +
+                               connections_to(cl.nodes[1], cl.nodes[0]);
+  CHECK(before >= 1);
+  // 8 communicators at once over the same two nodes, operations interleaved.
+  constexpr int kComms = 8;
+  std::vector<collective_unique_id_t> ids;
+  for (int k = 0; k < kComms; ++k) ids.push_back(new_id(cl.socket(k % 2)));
+  run_ranks(4, [&](int rank) {
+    collective_client_t* client = nullptr;
+    if (collective_connect(cl.socket(rank % 2).c_str(), "multi", &client) != COLLECTIVE_OK) return 10;
+    void* s = nullptr;
+    void* r = nullptr;
+    if (collective_host_alloc(client, 1 << 16, &s) != COLLECTIVE_OK ||
+        collective_host_alloc(client, 1 << 16, &r) != COLLECTIVE_OK) {
+      return 11;
+    }
+    std::vector<collective_comm_t*> comms(kComms);
+    for (int k = 0; k < kComms; ++k) {
+      if (collective_comm_init_rank(client, &ids[k], 4, rank, &comms[k]) != COLLECTIVE_OK) {
+        std::fprintf(stderr, "init %d: %s\n", k, collective_last_error());
+        return 12;
+      }
+    }
+    // Every communicator has an operation in flight at once.
+    std::vector<collective_request_t*> reqs(kComms);
+    auto* sv = static_cast<std::int32_t*>(s);
+    auto* rv = static_cast<std::int32_t*>(r);
+    for (int k = 0; k < kComms; ++k) {
+      for (int i = 0; i < 100; ++i) sv[k * 100 + i] = (rank + 1) * (k + 1);
+      if (collective_all_reduce(comms[k], sv + k * 100, rv + k * 100, 100, COLLECTIVE_INT32,
+                                COLLECTIVE_SUM, &reqs[k]) != COLLECTIVE_OK) {
+        return 13;
+      }
+    }
+    int bad = 0;
+    for (int k = 0; k < kComms; ++k) {
+      if (collective_wait(reqs[k], 20000) != COLLECTIVE_OK) {
+        std::fprintf(stderr, "comm %d: %s\n", k, collective_last_error());
+        ++bad;
+      }
+      collective_request_free(reqs[k]);
+      for (int i = 0; i < 100; ++i) bad += rv[k * 100 + i] != 10 * (k + 1);
+    }
+    for (auto* c : comms) collective_comm_destroy(c);
+    collective_disconnect(client);
+    return bad == 0 ? 0 : 14;
+  });
+  const std::uint32_t after = connections_to(cl.nodes[0], cl.nodes[1]) +
+                              connections_to(cl.nodes[1], cl.nodes[0]);
+  CHECK(after == before);
+}
+
+TEST_CASE("split and send/recv across nodes") {
+  Cluster cl(2);
+  run_layout(cl, {0, 1, 0, 1}, 1 << 16, [](RankCtx& c) {
+    // Colors by node (children on one node each) and across nodes.
+    for (int mode = 0; mode < 2; ++mode) {
+      const int color = mode == 0 ? c.rank % 2 : c.rank / 2;
+      collective_comm_t* child = nullptr;
+      if (collective_comm_split(c.comm, color, -c.rank, &child) != COLLECTIVE_OK || !child) {
+        c.report(std::string("split: ") + collective_last_error());
+        return 1;
+      }
+      // Keys are -rank: the higher parent rank comes first in the child.
+      const int want_rank = mode == 0 ? (c.rank < 2 ? 1 : 0) : 1 - c.rank % 2;
+      if (collective_comm_size(child) != 2 || collective_comm_rank(child) != want_rank) {
+        c.report("split: rank " + std::to_string(collective_comm_rank(child)) + " of " +
+                 std::to_string(collective_comm_size(child)) + ", expected " +
+                 std::to_string(want_rank) + " of 2");
+      }
+      sum_check(c, child, 333);
+      collective_comm_destroy(child);
+    }
+    // A ring of sends: every rank sends to the next and receives from the previous.
+    const int n = c.n, next = (c.rank + 1) % n, prev = (c.rank + n - 1) % n;
+    auto* s = reinterpret_cast<std::int64_t*>(c.send);
+    auto* r = reinterpret_cast<std::int64_t*>(c.recv);
+    for (int i = 0; i < 1000; ++i) s[i] = c.rank * 1000000 + i;
+    collective_request_t* req = nullptr;
+    if (collective_group_start(c.comm) != COLLECTIVE_OK ||
+        collective_send(c.comm, s, 1000, COLLECTIVE_INT64, next) != COLLECTIVE_OK ||
+        collective_recv(c.comm, r, 1000, COLLECTIVE_INT64, prev) != COLLECTIVE_OK ||
+        collective_group_end(c.comm, &req) != COLLECTIVE_OK ||
+        collective_wait(req, 20000) != COLLECTIVE_OK) {
+      c.report(std::string("send/recv: ") + collective_last_error());
+    }
+    collective_request_free(req);
+    for (int i = 0; i < 1000; ++i) {
+      if (r[i] != prev * 1000000 + i) {
+        c.report("send/recv element " + std::to_string(i));
+        break;
+      }
+    }
+    // A send completes once its data is on the way: without this barrier a
+    // rank could leave (breaking the communicator) before its peer received.
+    collective_request_t* b = nullptr;
+    if (collective_barrier(c.comm, &b) != COLLECTIVE_OK || collective_wait(b, 20000) != COLLECTIVE_OK) {
+      c.report(std::string("barrier: ") + collective_last_error());
+    }
+    collective_request_free(b);
+    return 0;
+  });
+}
+
+TEST_CASE("a mismatch across nodes is named on both nodes; the communicator goes on") {
+  Cluster cl(2);
+  run_layout(cl, {0, 1}, 1 << 16, [](RankCtx& c) {
+    auto* s = reinterpret_cast<std::int32_t*>(c.send);
+    auto* r = reinterpret_cast<std::int32_t*>(c.recv);
+    const collective_result_t rc = all_reduce_wait(c.comm, s, r, c.rank == 0 ? 10 : 20);
+    const char* msg = collective_last_error();
+    if (rc != COLLECTIVE_MISMATCH || !contains(msg, "count=10") || !contains(msg, "count=20") ||
+        !contains(msg, "node node")) {
+      c.report(std::string("expected a mismatch naming both ranks and nodes, got ") +
+               std::to_string(rc) + ": " + msg);
+    }
+    sum_check(c, c.comm, 77);
+    return 0;
+  });
+}
+
+TEST_CASE("a rank killed on one node fails the others' operations naming it") {
+  Cluster cl(2);
+  run_layout(cl, {0, 1}, 1 << 16, [](RankCtx& c) {
+    if (c.rank == 1) std::_Exit(0);  // dies without leaving
+    const auto t0 = Clock::now();
+    const collective_result_t rc =
+        all_reduce_wait(c.comm, c.send, c.recv, 100);
+    const char* msg = collective_last_error();
+    if (rc == COLLECTIVE_OK || !contains(msg, "rank 1") || !contains(msg, "node1") ||
+        !contains(msg, "disconnected")) {
+      c.report(std::string("expected an error naming rank 1 on node1, got: ") + msg);
+    }
+    if (Clock::now() - t0 > 10s) c.report("the error took too long");
+    c.comm = nullptr;  // broken: not destroyed
+    return 0;
+  });
+}
+
+TEST_CASE("an operation whose ranks on another node never come times out naming that node") {
+  Cluster cl(2, {"deadlines.operation_ms=1500"});
+  run_layout(cl, {0, 1}, 1 << 16, [](RankCtx& c) {
+    if (c.rank == 1) {
+      std::this_thread::sleep_for(3s);
+      return 0;
+    }
+    const auto t0 = Clock::now();
+    const collective_result_t rc = all_reduce_wait(c.comm, c.send, c.recv, 100);
+    const auto took = Clock::now() - t0;
+    const char* msg = collective_last_error();
+    if (rc != COLLECTIVE_TIMEOUT || !contains(msg, "node1") || !contains(msg, "rank 1")) {
+      c.report(std::string("expected a timeout naming node1 and rank 1, got: ") + msg);
+    }
+    if (took > 5s) c.report("the timeout came late");
+    return 0;
+  });
+}
+
+TEST_CASE("a peer daemon killed mid-operation fails it naming the node; restarted, it serves again") {
+  Cluster cl(2);
+  {
+    const auto id = new_id(cl.socket(0));
+    Child rank0([&] {
+      RankCtx c = join(cl.socket(0), id, 2, 0, 1 << 16);
+      if (!sum_check(c, c.comm, 10)) return 1;
+      const auto t0 = Clock::now();
+      const collective_result_t rc = all_reduce_wait(c.comm, c.send, c.recv, 100);
+      const char* msg = collective_last_error();
+      if (rc == COLLECTIVE_OK || !contains(msg, "node1") || !contains(msg, "unreachable")) {
+        std::fprintf(stderr, "expected an error naming node1, got %d: %s\n", rc, msg);
+        return 2;
+      }
+      if (Clock::now() - t0 > 10s) return 3;
+      return 0;
+    });
+    Child rank1([&] {
+      RankCtx c = join(cl.socket(1), id, 2, 1, 1 << 16);
+      if (!sum_check(c, c.comm, 10)) return 1;
+      std::this_thread::sleep_for(60s);  // never submits the second operation
+      return 0;
+    });
+    std::this_thread::sleep_for(1500ms);  // both are past the first operation
+    cl.nodes[1].daemon->signal(SIGKILL);
+    auto s0 = rank0.wait(20s);
+    CHECK(s0.exited);
+    CHECK(s0.code == 0);
+    rank1.kill(SIGKILL);
+    rank1.wait(5s);
+  }
+  cl.nodes[1].daemon.reset();
+  cl.nodes[1].start(true);
+  run_layout(cl, {0, 1, 1}, 1 << 16, [](RankCtx& c) { return sum_check(c, c.comm, 1000) ? 0 : 1; });
+}
+
+TEST_CASE("a node with the wrong secret cannot join a communicator") {
+  Cluster cl(1);
+  Node bad;
+  bad.name = "intruder";
+  bad.ip = "127.0.0.9";
+  bad.secret_file = write_secret(cl.dir, "wrong", "not the cluster secret\n");
+  bad.start();
+  const auto id = new_id(cl.socket(0));
+  auto st = run_child(
+      [&] {
+        collective_client_t* client = nullptr;
+        collective_comm_t* comm = nullptr;
+        if (collective_connect(bad.daemon->socket().c_str(), "x", &client) != COLLECTIVE_OK) return 10;
+        const collective_result_t rc = collective_comm_init_rank(client, &id, 2, 1, &comm);
+        const char* msg = collective_last_error();
+        if (rc == COLLECTIVE_OK || !contains(msg, "rendezvous daemon")) {
+          std::fprintf(stderr, "expected a refusal, got %d: %s\n", rc, msg);
+          return 1;
+        }
+        std::fprintf(stderr, "refused as expected: %s\n", msg);
+        return 0;
+      },
+      30s);
+  CHECK(st.exited);
+  CHECK(st.code == 0);
+}

@@ -1,0 +1,168 @@
+// Daemons standing for nodes in integration tests: each on its own loopback
+// address (127.0.0.2, .3, ...) and peer port, with a cluster secret; and
+// what their status says about their peers.
+#pragma once
+
+#include <doctest/doctest.h>
+#include <sys/stat.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ipc/protocol.capnp.h"
+#include "tests/support/harness.h"
+
+namespace collectived::test {
+
+using namespace std::chrono_literals;
+
+inline constexpr int kHeartbeatMs = 200;
+
+inline std::string write_secret(const TempDir& dir, const std::string& name, const std::string& text,
+                         mode_t mode = 0600) {
+  const std::string path = dir.file(name);
+  write_file(path, text);
+  ::chmod(path.c_str(), mode);
+  return path;
+}
+
+/// A collectived standing for one node: its own loopback address, peer port
+/// and client socket.
+struct Node {
+  std::string name;
+  std::string ip;
+  std::string secret_file;
+  std::vector<std::string> extra{};
+  std::map<std::string, std::string> env{};
+  std::uint16_t port = 0;
+  std::unique_ptr<Daemon> daemon{};
+
+  std::string address() const { return ip + ":" + std::to_string(port); }
+
+  Daemon::Options options() const {
+    Daemon::Options o;
+    o.overrides = {"node.name=" + name,
+                   "peer.listen_address=" + ip,
+                   "peer.port=" + std::to_string(port),
+                   "peer.secret_file=" + secret_file,
+                   "deadlines.heartbeat_ms=" + std::to_string(kHeartbeatMs),
+                   "deadlines.connect_ms=3000",
+                   "tcp.streams_per_peer=2"};
+    o.overrides.insert(o.overrides.end(), extra.begin(), extra.end());
+    o.env = env;
+    return o;
+  }
+
+  /// Starts on a port from 20000..59999, another one while ports are busy;
+  /// `same_port`: restart on the port it had.
+  Node& start(bool same_port = false) {
+    static std::mt19937 rng(std::random_device{}());
+    for (int attempt = 0;; ++attempt) {
+      if (!same_port) port = static_cast<std::uint16_t>(20000 + rng() % 40000);
+      try {
+        daemon = std::make_unique<Daemon>(options());
+        return *this;
+      } catch (const std::runtime_error& e) {
+        const bool busy = std::string(e.what()).find("Address already in use") != std::string::npos;
+        if (same_port || !busy || attempt > 20) throw;
+      }
+    }
+  }
+};
+
+struct Pong {
+  Code code = Code::ok;
+  std::string error;
+  std::string node;
+  std::uint64_t rtt_us = 0;
+  double skew_ms = 0;
+  bool new_connection = false;
+};
+
+inline std::unique_ptr<RawClient> client_of(const Node& n) {
+  auto c = std::make_unique<RawClient>(n.daemon->socket());
+  auto hello = c->hello();
+  REQUIRE(hello);
+  REQUIRE(hello->message().isHelloReply());
+  return c;
+}
+
+inline Pong ping(RawClient& c, const std::string& address) {
+  static std::uint64_t next_id = 100;
+  const std::uint64_t id = ++next_id;
+  capnp::MallocMessageBuilder b;
+  auto m = b.initRoot<wire::Message>();
+  m.setId(id);
+  m.initPeerPing().setAddress(address);
+  c.send(b);
+  auto f = c.receive(15s);
+  REQUIRE(f);
+  REQUIRE(f->message().getId() == id);
+  Pong p;
+  if (f->message().isError()) {
+    p.code = error_code(*f);
+    p.error = error_message(*f);
+    return p;
+  }
+  REQUIRE(f->message().isPeerPong());
+  auto r = f->message().getPeerPong();
+  p.node = r.getNode().cStr();
+  p.rtt_us = r.getRttUs();
+  p.skew_ms = r.getSkewMs();
+  p.new_connection = r.getNewConnection();
+  return p;
+}
+
+struct PeerRow {
+  std::string address;
+  std::string node;
+  wire::PeerLinkState state = wire::PeerLinkState::DEAD;
+  bool outbound = false;
+  std::uint32_t streams = 0;
+  std::uint64_t bytes_sent = 0;
+  std::uint64_t bytes_received = 0;
+  std::uint64_t rtt_us = 0;
+  std::uint64_t errors = 0;
+  std::uint32_t connections = 0;
+  std::uint64_t connected_ms = 0;
+  std::string last_error;
+};
+
+inline std::vector<PeerRow> peers_of(RawClient& c, std::string* own_address = nullptr) {
+  auto f = c.status();
+  REQUIRE(f);
+  REQUIRE(f->message().isStatusReply());
+  auto s = f->message().getStatusReply();
+  if (own_address) *own_address = s.getPeerAddress().cStr();
+  std::vector<PeerRow> rows;
+  for (auto p : s.getPeers()) {
+    PeerRow r;
+    r.address = p.getAddress().cStr();
+    r.node = p.getNode().cStr();
+    r.state = p.getState();
+    r.outbound = p.getOutbound();
+    r.streams = p.getStreams();
+    r.bytes_sent = p.getBytesSent();
+    r.bytes_received = p.getBytesReceived();
+    r.rtt_us = p.getRttUs();
+    r.errors = p.getErrors();
+    r.connections = p.getConnections();
+    r.connected_ms = p.getConnectedMs();
+    r.last_error = p.getLastError().cStr();
+    rows.push_back(std::move(r));
+  }
+  return rows;
+}
+
+inline std::optional<PeerRow> peer_row(RawClient& c, const std::string& address) {
+  for (auto& r : peers_of(c)) {
+    if (r.address == address) return r;
+  }
+  return std::nullopt;
+}
+
+}  // namespace collectived::test
