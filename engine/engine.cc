@@ -277,7 +277,12 @@ void Engine::client_gone(std::uint64_t session) {
       m.queue.clear();
       I.drop_member(comm, rank);
       if (comm.active_members() > 0) {
-        I.log.warn("rank_died", {{"comm", comm.name}, {"rank", rank}, {"pid", m.pid}});
+        I.log.warn("rank_died", {{"comm", comm.name},
+                                 {"rank", rank},
+                                 {"pid", m.pid},
+                                 {"node", I.options.node_name},
+                                 {"action", "the communicator is broken: see why the process "
+                                            "exited (its log, dmesg for the OOM killer)"}});
         I.break_comm(comm, Code::remote,
                      comm.who(rank) + (comm.spans_nodes() ? "" : " on node " + I.options.node_name) +
                          " disconnected (its process exited or was killed)",
@@ -310,7 +315,14 @@ void Engine::check_deadlines() {
                             std::to_string(rv.count) + " of " + std::to_string(rv.nranks) +
                             " ranks joined; missing ranks: " + rank_list(missing),
                         -1, out);
-      I.log.warn("rendezvous_timeout", {{"comm", rv.name}, {"missing", rank_list(missing)}});
+      I.log.warn("rendezvous_timeout",
+                 {{"comm", rv.name},
+                  {"node", I.options.node_name},
+                  {"joined", rv.count},
+                  {"nranks", rv.nranks},
+                  {"missing", rank_list(missing)},
+                  {"action", "start the missing ranks with the same unique id and nranks, or "
+                             "raise deadlines.rendezvous_ms if they start later"}});
       it = I.rendezvous.erase(it);
     }
     I.check_node_deadlines(now, out);
@@ -341,10 +353,17 @@ void Engine::check_deadlines() {
                 " ms (deadlines.operation_ms): every rank submitted it, but an earlier "
                 "operation of this communicator never finished";
         }
-        I.log.warn("operation_timeout", {{"comm", comm.name},
-                                         {"seq", slot.seq},
-                                         {"op", to_string(slot.desc.kind)},
-                                         {"missing_ranks", rank_list(missing)}});
+        I.log.warn("operation_timeout",
+                   {{"comm", comm.name},
+                    {"seq", slot.seq},
+                    {"op", to_string(slot.desc.kind)},
+                    {"node", I.options.node_name},
+                    {"missing_ranks", rank_list(missing)},
+                    {"missing", detail},
+                    {"action", missing.empty()
+                                   ? "an earlier operation of the communicator never finished"
+                                   : "look at what the missing ranks' processes do (py-spy dump "
+                                     "--pid PID, gdb -p PID); collectivectl status lists them"}});
         if (comm.spans_nodes()) I.send_slot_failed(comm, slot.seq, Code::timeout, why);
         I.fail_slot(comm, slot, Code::timeout, why, out);
         if (slot.arrived >= comm.local_count) {

@@ -136,6 +136,13 @@ TEST_CASE("scraping a daemon over TCP: operations, bytes, latency, errors, conne
   CHECK(sample(text, "collectived_oldest_operation_age_seconds") >= 0.09);
   CHECK(collective_wait(stuck, -1) == COLLECTIVE_TIMEOUT);
   collective_request_free(stuck);
+  // The log line says what, who (rank, pid, node) and what to do.
+  const std::string log = d.log();
+  INFO(log);
+  CHECK(log.find("event=operation_timeout") != std::string::npos);
+  CHECK(log.find("missing=\"rank 1 (pid " + std::to_string(::getpid()) + ")\"") !=
+        std::string::npos);
+  CHECK(log.find("action=\"look at what the missing ranks") != std::string::npos);
 
   text = http_get(addr);
   CHECK(sample(text, "collectived_operations_total{op=\"all_reduce\",result=\"ok\"}") == 5);

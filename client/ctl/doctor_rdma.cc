@@ -164,8 +164,8 @@ void check_hcas(DoctorContext& ctx, Report& r) {
         const std::string ndev = read_line(pdir + "/gid_attrs/ndevs/" + g).value_or("");
         if (type == "RoCE v2") roce_v2.push_back(index);
         const std::string ip = ipv4_of(gid);
-        gids += " [" + g + "] " + (ip.empty() ? gid : ip) + (type.empty() ? "" : " " + type) +
-                (ndev.empty() ? "" : " " + ndev) + ";";
+        gids += std::string(gids.empty() ? " [" : "; [") + g + "] " + (ip.empty() ? gid : ip) +
+                (type.empty() ? "" : " " + type) + (ndev.empty() ? "" : " " + ndev);
       }
       std::sort(present.begin(), present.end());
       std::string mtu = "MTU unknown (libibverbs did not open " + dev + ")";
