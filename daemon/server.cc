@@ -106,7 +106,7 @@ Server::Server(config::Profile profile, ProfileSource source, engine::Logger& lo
       watchdog_timer_(io_),
       shutdown_timer_(io_),
       sweep_timer_(io_),
-      peers_(io_, peer_options(profile_, kVersion), log_),
+      peers_(io_, tcp::peer_options(profile_, kVersion), log_),
       metrics_server_(io_, log_,
                       [this] {
                         capnp::MallocMessageBuilder b;
@@ -335,7 +335,7 @@ void Server::fill_status(wire::StatusReply::Builder s) {
   s.setOperationsInFlight(es.in_flight);
   s.setOperationsCompleted(es.completed);
   s.setLogLevel(std::string(config::to_string(log_.level())).c_str());
-  fill_peer_status(peers_, s);
+  tcp::fill_peer_status(peers_, s);
   fill_comm_status(engine_.snapshot(), s);
   s.setMetricsAddress(metrics_server_.address().c_str());
   s.setClientSocket(profile_.client.socket.c_str());

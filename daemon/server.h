@@ -15,14 +15,16 @@
 #include "config/profile.h"
 #include "daemon/metrics.h"
 #include "daemon/notify.h"
-#include "daemon/peer_manager.h"
-#include "daemon/peer_transport.h"
+#include "engine/transport/tcp/peer_manager.h"
+#include "engine/transport/tcp/peer_transport.h"
 #include "daemon/ring_poller.h"
 #include "daemon/session.h"
 #include "engine/log.h"
 #include "engine/registry.h"
 
 namespace collectived::daemon {
+
+using tcp::PeerTransport;
 
 /// Where the profile came from, so SIGHUP can load it again.
 struct ProfileSource {

@@ -22,9 +22,13 @@
 #include "ipc/frame.h"
 #include "ipc/ring.h"
 
+namespace collectived::tcp {
+class PeerManager;
+}
+
 namespace collectived::daemon {
 
-class PeerManager;
+using tcp::PeerManager;
 
 /// What a session needs from the daemon that owns it.
 class RingPoller;
@@ -41,7 +45,7 @@ class SessionHost {
   virtual std::string rendezvous_address() const = 0;
   virtual void fill_status(wire::StatusReply::Builder status) = 0;
   virtual void session_closed(std::uint64_t session_id) = 0;
-  /// Connections to other nodes' daemons (daemon/peer_manager.h).
+  /// Connections to other nodes' daemons (engine/transport/tcp/peer_manager.h).
   virtual PeerManager& peers() = 0;
 };
 

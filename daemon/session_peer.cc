@@ -1,5 +1,5 @@
 // ClientSession's requests about peer daemons (kept apart from session.cc).
-#include "daemon/peer_manager.h"
+#include "engine/transport/tcp/peer_manager.h"
 #include "daemon/session.h"
 
 namespace collectived::daemon {
@@ -8,7 +8,7 @@ void ClientSession::handle_peer_ping(std::uint64_t id, wire::PeerPing::Reader re
   const std::string address = req.getAddress().cStr();
   std::weak_ptr<ClientSession> weak = weak_from_this();
   // Answered when the ping returns or fails, within deadlines.connect_ms.
-  host_.peers().ping(address, [weak, id, address](const PingReply& r) {
+  host_.peers().ping(address, [weak, id, address](const tcp::PingReply& r) {
     auto self = weak.lock();
     if (!self || self->closed()) return;
     if (!r.result.ok()) {

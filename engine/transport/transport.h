@@ -5,7 +5,7 @@
 // NodeChannel (engine/node_algorithms.h) that the engine builds on this.
 //
 // Implementations: the daemon's authenticated TCP peer connections
-// (daemon/peer_transport.h, over daemon/peer_manager.h); the verbs transport
+// (engine/transport/tcp/peer_transport.h, over engine/transport/tcp/peer_manager.h); the verbs transport
 // joins here under the same interface.
 #pragma once
 

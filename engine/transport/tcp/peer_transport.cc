@@ -1,6 +1,6 @@
-#include "daemon/peer_transport.h"
+#include "engine/transport/tcp/peer_transport.h"
 
-namespace collectived::daemon {
+namespace collectived::tcp {
 
 void PeerTransport::send(const std::string& address, std::vector<std::byte> message, Done done) {
   peers_.send(address, kEngineChannel, std::move(message),
@@ -16,4 +16,4 @@ void PeerTransport::connect(PeerManager& peers, engine::Engine& engine) {
                                const std::string& why) { engine.node_down(peer, node, why); });
 }
 
-}  // namespace collectived::daemon
+}  // namespace collectived::tcp

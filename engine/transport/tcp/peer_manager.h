@@ -37,12 +37,12 @@
 #include <vector>
 
 #include "config/profile.h"
-#include "daemon/peer_auth.h"
-#include "daemon/peer_link.h"
+#include "engine/transport/tcp/peer_auth.h"
+#include "engine/transport/tcp/peer_link.h"
 #include "engine/log.h"
 #include "ipc/protocol.capnp.h"
 
-namespace collectived::daemon {
+namespace collectived::tcp {
 
 /// One peer as status shows it.
 struct PeerStatus {
@@ -167,4 +167,4 @@ PeerOptions peer_options(const config::Profile& profile, const std::string& daem
 /// Fills StatusReply.peers.
 void fill_peer_status(const PeerManager& peers, wire::StatusReply::Builder status);
 
-}  // namespace collectived::daemon
+}  // namespace collectived::tcp

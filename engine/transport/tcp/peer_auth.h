@@ -1,6 +1,6 @@
 // Authentication of daemon-to-daemon connections: the cluster secret, nonces,
 // HMAC-SHA256 proofs, and the handshake of one stream as a state machine that
-// knows nothing of sockets (daemon/peer_link.h ferries its frames).
+// knows nothing of sockets (engine/transport/tcp/peer_link.h ferries its frames).
 //
 // The handshake (ipc/peer.capnp has the message flow):
 //   initiator -> hello {version, node, listen address, stream, connection id, nonceI, dialed}
@@ -26,7 +26,7 @@
 #include "ipc/error.h"
 #include "ipc/peer.capnp.h"
 
-namespace collectived::daemon {
+namespace collectived::tcp {
 
 inline constexpr std::size_t kNonceBytes = 32;
 inline constexpr std::size_t kProofBytes = 32;  // HMAC-SHA256
@@ -162,4 +162,4 @@ class Handshake {
 std::vector<std::byte> encode_peer_error(Code code, const std::string& message,
                                          const std::string& node = {});
 
-}  // namespace collectived::daemon
+}  // namespace collectived::tcp

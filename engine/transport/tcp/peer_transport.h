@@ -1,15 +1,15 @@
 // The engine's NodeTransport (engine/transport/transport.h) over the daemon's
-// authenticated TCP peer connections (daemon/peer_manager.h): engine messages
+// authenticated TCP peer connections (engine/transport/tcp/peer_manager.h): engine messages
 // travel on their own channel, and arrive at Engine::node_message.
 #pragma once
 
 #include <cstdint>
 
-#include "daemon/peer_manager.h"
+#include "engine/transport/tcp/peer_manager.h"
 #include "engine/engine.h"
 #include "engine/transport/transport.h"
 
-namespace collectived::daemon {
+namespace collectived::tcp {
 
 /// The peer-connection channel of engine messages (ipc/node.capnp).
 inline constexpr std::uint64_t kEngineChannel = 2;
@@ -26,4 +26,4 @@ class PeerTransport final : public engine::NodeTransport {
   PeerManager& peers_;
 };
 
-}  // namespace collectived::daemon
+}  // namespace collectived::tcp

@@ -1,4 +1,4 @@
-#include "daemon/peer_auth.h"
+#include "engine/transport/tcp/peer_auth.h"
 
 #include <fcntl.h>
 #include <openssl/crypto.h>
@@ -15,7 +15,7 @@
 #include "ipc/fd.h"
 #include "ipc/frame.h"
 
-namespace collectived::daemon {
+namespace collectived::tcp {
 
 namespace {
 
@@ -443,4 +443,4 @@ std::vector<std::vector<std::byte>> Handshake::on_message(peerwire::PeerMessage:
                                     kExpected[static_cast<int>(expect_)] + " was expected");
 }
 
-}  // namespace collectived::daemon
+}  // namespace collectived::tcp

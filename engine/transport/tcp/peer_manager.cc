@@ -1,11 +1,11 @@
-#include "daemon/peer_manager.h"
+#include "engine/transport/tcp/peer_manager.h"
 
 #include <boost/asio/ip/address.hpp>
 #include <boost/asio/post.hpp>
 #include <cstdlib>
 #include <cstring>
 
-namespace collectived::daemon {
+namespace collectived::tcp {
 
 namespace asio = boost::asio;
 using tcp = asio::ip::tcp;
@@ -540,4 +540,4 @@ void fill_peer_status(const PeerManager& peers, wire::StatusReply::Builder statu
   status.setPeerAddress(peers.address().c_str());
 }
 
-}  // namespace collectived::daemon
+}  // namespace collectived::tcp

@@ -13,12 +13,12 @@
 #include <fstream>
 #include <optional>
 
-#include "daemon/peer_auth.h"
-#include "daemon/peer_link.h"
+#include "engine/transport/tcp/peer_auth.h"
+#include "engine/transport/tcp/peer_link.h"
 #include "ipc/frame.h"
 
 using namespace collectived;
-using namespace collectived::daemon;
+using namespace collectived::tcp;
 
 namespace {
 
@@ -365,7 +365,7 @@ TEST_CASE("peer addresses") {
 #include <random>
 #include <thread>
 
-#include "daemon/peer_manager.h"
+#include "engine/transport/tcp/peer_manager.h"
 #include "engine/log.h"
 
 namespace {

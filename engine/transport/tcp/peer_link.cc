@@ -1,4 +1,4 @@
-#include "daemon/peer_link.h"
+#include "engine/transport/tcp/peer_link.h"
 
 #include <boost/asio/connect.hpp>
 #include <boost/asio/ip/address.hpp>
@@ -10,7 +10,7 @@
 #include <cctype>
 #include <cstring>
 
-namespace collectived::daemon {
+namespace collectived::tcp {
 
 namespace asio = boost::asio;
 using tcp = asio::ip::tcp;
@@ -895,4 +895,4 @@ void PeerLink::deliver_in_order(std::uint64_t channel) {
   }
 }
 
-}  // namespace collectived::daemon
+}  // namespace collectived::tcp

@@ -1,6 +1,6 @@
 // One connection to another node's daemon: several authenticated TCP streams
 // with heartbeats, chunked data and pings. Owned by the PeerManager
-// (daemon/peer_manager.h), which decides when links are opened and shared.
+// (engine/transport/tcp/peer_manager.h), which decides when links are opened and shared.
 // Everything here runs on the daemon's event-loop thread.
 #pragma once
 
@@ -18,11 +18,11 @@
 #include <utility>
 #include <vector>
 
-#include "daemon/peer_auth.h"
+#include "engine/transport/tcp/peer_auth.h"
 #include "ipc/error.h"
 #include "ipc/frame.h"
 
-namespace collectived::daemon {
+namespace collectived::tcp {
 
 using PeerClock = std::chrono::steady_clock;
 
@@ -301,4 +301,4 @@ class PeerLink : public std::enable_shared_from_this<PeerLink>, public StreamSin
   double skew_ms_ = 0;
 };
 
-}  // namespace collectived::daemon
+}  // namespace collectived::tcp
