@@ -54,7 +54,10 @@ engine::NodeAlgorithmOptions node_algorithms(const config::Profile& p) {
   engine::NodeAlgorithmOptions o;
   o.algorithm = p.collectives.algorithm;
   o.direct_max_bytes = p.collectives.direct_max_bytes;
-  o.chunk_bytes = p.tcp.chunk_bytes;
+  // A transfer chunk plus its engine header must fit one TCP chunk: a message
+  // one header over tcp.chunk_bytes would travel as two frames and be
+  // reassembled (a zero-fill and a copy more) on the other side.
+  o.chunk_bytes = p.tcp.chunk_bytes > 8192 ? p.tcp.chunk_bytes - 4096 : p.tcp.chunk_bytes / 2;
   return o;
 }
 

@@ -20,6 +20,7 @@
 #include <capnp/message.h>
 #include <capnp/serialize.h>
 
+#include <array>
 #include <cstring>
 #include <thread>
 
@@ -38,15 +39,16 @@ std::vector<std::byte> encode(capnp::MessageBuilder& mb,
   const auto header = words.asBytes();
   std::size_t raw_bytes = 0;
   for (const auto& p : raw) raw_bytes += p.size();
-  std::vector<std::byte> out(kPrefix + header.size() + raw_bytes);
+  // reserve + insert: the payload is copied once, never zero-filled first.
+  std::vector<std::byte> out;
+  out.reserve(kPrefix + header.size() + raw_bytes);
   const auto nwords = static_cast<std::uint32_t>(words.size());
-  std::memcpy(out.data(), &nwords, 4);
-  std::memcpy(out.data() + kPrefix, header.begin(), header.size());
-  std::size_t at = kPrefix + header.size();
-  for (const auto& p : raw) {
-    if (!p.empty()) std::memcpy(out.data() + at, p.data(), p.size());
-    at += p.size();
-  }
+  const std::array<std::uint32_t, 2> prefix{nwords, 0};
+  const auto* pb = reinterpret_cast<const std::byte*>(prefix.data());
+  out.insert(out.end(), pb, pb + kPrefix);
+  const auto* hb = reinterpret_cast<const std::byte*>(header.begin());
+  out.insert(out.end(), hb, hb + header.size());
+  for (const auto& p : raw) out.insert(out.end(), p.begin(), p.end());
   return out;
 }
 
@@ -616,6 +618,18 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
         }
       }
     } else {
+      if (log.enabled(config::LogLevel::debug)) {
+        // all-gather chooses by what each node ends up with.
+        const std::uint64_t bytes = op.count * dtype_size(op.dtype) *
+                                    (op.kind == OpKind::all_gather ? op.nranks : 1);
+        log.debug("node_operation",
+                  {{"comm", comm.name},
+                   {"seq", seq},
+                   {"op", to_string(op.kind)},
+                   {"bytes", bytes},
+                   {"nodes", comm.node_address.size()},
+                   {"algorithm", node_algorithm(op.kind, bytes, static_cast<int>(comm.node_address.size()), algorithms)}});
+      }
       run_node_collective(ch, op, algorithms, 0);
     }
   } catch (const Error& e) {
