@@ -461,6 +461,30 @@ std::vector<CommSnapshot> Engine::snapshot() const {
         if (!m.remote && m.next_seq <= seq) op.missing.push_back(static_cast<std::uint32_t>(m.rank));
       }
     }
+    // Operations other nodes already sent their part of while this node's
+    // ranks have not submitted them: the other nodes wait on these ranks.
+    if (comm.spans_nodes() && comm.inbox) {
+      std::map<std::uint64_t, OpSnapshot> waited;
+      for (const auto& [key, in] : comm.inbox->msgs) {
+        const std::uint64_t seq = std::get<0>(key);
+        if (comm.slots.count(seq) != 0 || comm.is_ended(seq)) continue;
+        const std::string node = comm.node_name[std::get<2>(key)];
+        auto [it, fresh] = waited.try_emplace(seq);
+        OpSnapshot& op = it->second;
+        if (fresh) {
+          op.seq = seq;
+          op.op = in.desc.str() + ", waited on by node " + node;
+          op.age = age(in.arrived);
+          for (const Member& m : comm.members) {
+            if (!m.remote && m.next_seq <= seq) op.missing.push_back(static_cast<std::uint32_t>(m.rank));
+          }
+        } else if (op.op.find(node) == std::string::npos) {
+          op.op += ", " + node;
+          op.age = std::max(op.age, age(in.arrived));
+        }
+      }
+      for (auto& [seq, op] : waited) c.ops.push_back(std::move(op));
+    }
     for (const Member& m : comm.members) {
       for (const Work& w : m.queue) {
         if (w.type != Work::Type::group || w.group->answered) continue;

@@ -129,6 +129,7 @@ struct NodeIn {
   int desc_rank = 0;
   std::uint64_t count = 0;  // p2p
   DType dtype = DType::uint8;
+  Clock::time_point arrived;  // status: how long other nodes have waited on this node
 };
 
 struct Inbox {

@@ -58,6 +58,30 @@ struct IdleRank {
   }
 };
 
+/// A daemon standing for one node on its own loopback address with a peer
+/// listener on a free port.
+std::unique_ptr<Daemon> start_node(const std::string& name, const std::string& ip,
+                                   const std::string& secret, std::uint16_t& port) {
+  static std::mt19937 rng(std::random_device{}());
+  for (int attempt = 0;; ++attempt) {
+    port = static_cast<std::uint16_t>(20000 + rng() % 40000);
+    try {
+      return std::make_unique<Daemon>(Daemon::Options{
+          .overrides = {"node.name=" + name, "peer.listen_address=" + ip,
+                        "peer.port=" + std::to_string(port), "peer.secret_file=" + secret}});
+    } catch (const std::runtime_error& e) {
+      if (attempt > 20) throw;
+    }
+  }
+}
+
+std::string make_secret(const TempDir& dir) {
+  const std::string secret = dir.file("secret");
+  write_file(secret, "ctl test cluster secret 0123456789abcdef\n");
+  ::chmod(secret.c_str(), 0600);
+  return secret;
+}
+
 }  // namespace
 
 TEST_CASE("status, comms and peers name a stuck operation's missing rank with its pid and node") {
@@ -114,6 +138,46 @@ TEST_CASE("status, comms and peers name a stuck operation's missing rank with it
   CHECK(e.code == 0);
   CHECK(has(e.output, "\"node\":\"ctl-node\""));
 
+  idle.child->kill(SIGKILL);
+  idle.child->wait(10s);
+  collective_request_free(req);
+  collective_disconnect(c);
+}
+
+TEST_CASE("across nodes: the node whose rank did not arrive shows the operation other nodes wait on") {
+  TempDir dir;
+  const std::string secret = make_secret(dir);
+  std::uint16_t pa = 0, pb = 0;
+  auto a = start_node("node-a", "127.0.0.2", secret, pa);
+  auto b = start_node("node-b", "127.0.0.3", secret, pb);
+  collective_client_t* c = nullptr;
+  REQUIRE(collective_connect(a->socket().c_str(), "rank 0", &c) == COLLECTIVE_OK);
+  collective_unique_id_t id;
+  REQUIRE(collective_get_unique_id(c, &id) == COLLECTIVE_OK);
+  IdleRank idle(b->socket(), id);  // rank 1 joins through node-b and never submits
+  collective_comm_t* comm = nullptr;
+  REQUIRE(collective_comm_init_rank(c, &id, 2, 0, &comm) == COLLECTIVE_OK);
+  void* buf = nullptr;
+  REQUIRE(collective_host_alloc(c, 4096, &buf) == COLLECTIVE_OK);
+  collective_request_t* req = nullptr;
+  REQUIRE(collective_all_reduce(comm, buf, buf, 256, COLLECTIVE_FLOAT32, COLLECTIVE_SUM, &req) ==
+          COLLECTIVE_OK);
+  const std::string rank1 = "rank 1 (pid " + std::to_string(idle.child->pid()) + " on node-b)";
+  std::string out;
+  CHECK(eventually(
+      [&] {
+        out = ctl({"status", "--socket", b->socket()}).output;
+        return has(out, rank1);
+      },
+      10s));
+  INFO(out);
+  CHECK(has(out, "all_reduce(count=256, dtype=float, op=sum), waited on by node node-a"));
+  CHECK(has(out, "waiting"));
+  // On node-a the operation runs (its rank arrived) and rank 1 is remote.
+  const std::string comms = ctl({"comms", "--socket", a->socket()}).output;
+  INFO(comms);
+  CHECK(has(comms, "remote"));
+  CHECK(has(comms, "node-b"));
   idle.child->kill(SIGKILL);
   idle.child->wait(10s);
   collective_request_free(req);
@@ -196,25 +260,10 @@ TEST_CASE("doctor on this machine with a daemon running: no GPU and no HCA are s
 
 TEST_CASE("doctor pings every peer daemon of the profile: reachable, authenticated, RTT, skew") {
   TempDir dir;
-  const std::string secret = dir.file("secret");
-  write_file(secret, "doctor test cluster secret 0123456789\n");
-  ::chmod(secret.c_str(), 0600);
-  std::mt19937 rng(std::random_device{}());
-  auto start = [&](const std::string& name, const std::string& ip, std::uint16_t& port) {
-    for (int attempt = 0;; ++attempt) {
-      port = static_cast<std::uint16_t>(20000 + rng() % 40000);
-      try {
-        return std::make_unique<Daemon>(Daemon::Options{
-            .overrides = {"node.name=" + name, "peer.listen_address=" + ip,
-                          "peer.port=" + std::to_string(port), "peer.secret_file=" + secret}});
-      } catch (const std::runtime_error& e) {
-        if (attempt > 20) throw;
-      }
-    }
-  };
+  const std::string secret = make_secret(dir);
   std::uint16_t pa = 0, pb = 0;
-  auto a = start("node-a", "127.0.0.2", pa);
-  auto b = start("node-b", "127.0.0.3", pb);
+  auto a = start_node("node-a", "127.0.0.2", secret, pa);
+  auto b = start_node("node-b", "127.0.0.3", secret, pb);
   const std::string profile = dir.file("a.yaml");
   write_file(profile, "node: {name: node-a}\nclient: {socket: " + a->socket() +
                           ", socket_mode: \"0666\"}\npeer: {listen_address: 127.0.0.2, port: " +
