@@ -283,6 +283,20 @@ TEST_CASE("doctor pings every peer daemon of the profile: reachable, authenticat
   CHECK(has(p.output, "ready"));
 }
 
+TEST_CASE("doctor: a libcufile.so.0 whose dependency is missing is a FAIL naming the dependency") {
+  TempDir dir;
+  // Only the library, not its dependency: what a GDS install missing libdl.so looks like.
+  REQUIRE(run_program({"/bin/cp", FAKE_CUFILE, dir.file("libcufile.so.0")}, 10s).code == 0);
+  auto r = run_program({COLLECTIVECTL_BIN, "doctor", "--socket", dir.file("none.sock")}, 30s,
+                       {{"LD_LIBRARY_PATH", dir.path()}, {"COLLECTIVED_SOCKET", ""}});
+  INFO(r.output);
+  CHECK(has(r.output, "FAIL  gds"));
+  CHECK(has(r.output, "libcufile.so.0 is installed but does not load"));
+  CHECK(has(r.output, "libctl_missing_dep.so: cannot open shared object file"));
+  CHECK(has(r.output, "fix: install the library the message names"));
+  CHECK(r.code == 2);
+}
+
 TEST_CASE("profile check: valid, invalid with file:line:column: key, JSON") {
   TempDir dir;
   const std::string good = dir.file("good.yaml");
