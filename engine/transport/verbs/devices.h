@@ -30,7 +30,7 @@ struct GidEntry {
 /// One port of an HCA.
 struct PortInfo {
   std::uint32_t number = 0;      ///< 1-based
-  std::string state;             ///< "PORT_ACTIVE", "PORT_DOWN", ...
+  std::string state;             ///< ibv_port_state_str(): "active", "down", "init", ...
   bool active = false;
   std::string link_layer;        ///< "InfiniBand" or "Ethernet"
   std::uint32_t active_mtu = 0;  ///< bytes (256..4096)

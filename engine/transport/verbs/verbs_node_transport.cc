@@ -104,7 +104,7 @@ void VerbsNodeTransport::add_pair(const std::string& address, std::unique_ptr<Pa
           staging.reset();
           staging = device_.allocate(std::max<std::size_t>(n, 4096));
         }
-        std::memcpy(staging->data(), item.first.data(), n);
+        if (n > 0) std::memcpy(staging->data(), item.first.data(), n);
         const std::uint64_t id = p->pair->post_write(p->next_tag++, *staging, 0, n);
         p->pair->wait_written(id, Clock::now() + send_deadline_);
         if (item.second) item.second(Code::ok, "");
@@ -127,7 +127,7 @@ void VerbsNodeTransport::add_pair(const std::string& address, std::unique_ptr<Pa
         const Chunk c = p->pair->next_chunk(std::nullopt, Clock::now() + std::chrono::milliseconds(200));
         Partial& m = partial[c.tag];
         if (m.data.size() != c.total) m.data.resize(c.total);
-        std::memcpy(m.data.data() + c.offset, c.data.data(), c.data.size());
+        if (!c.data.empty()) std::memcpy(m.data.data() + c.offset, c.data.data(), c.data.size());
         m.got += c.data.size();
         p->pair->release(c);
         if (m.got >= c.total) {

@@ -895,7 +895,7 @@ void Pair::receive(std::uint64_t tag, std::span<std::byte> destination,
                                       " bytes, the receiver expects " +
                                       std::to_string(destination.size()));
     }
-    std::memcpy(destination.data() + c.offset, c.data.data(), c.data.size());
+    if (!c.data.empty()) std::memcpy(destination.data() + c.offset, c.data.data(), c.data.size());
     got += c.data.size();
     release(c);
   } while (got < destination.size());
@@ -1099,7 +1099,7 @@ std::unique_ptr<Device> Device::open(std::shared_ptr<const IbverbsLibrary> lib,
   const PortInfo port = query_port_info(f, core->ctx->get(), hca->name, hca->port);
   if (!port.active) {
     throw Error(Code::unavailable, "RDMA port " + core->where() + " is " + port.state +
-                                       ", not PORT_ACTIVE (cable, switch or subnet manager)");
+                                       ", not active (cable, switch or subnet manager)");
   }
   core->ethernet = port.link_layer == "Ethernet";
   core->lid = port.lid;
