@@ -297,6 +297,22 @@ TEST_CASE("doctor: a libcufile.so.0 whose dependency is missing is a FAIL naming
   CHECK(r.code == 2);
 }
 
+TEST_CASE("doctor and status against a daemon that stopped answering finish within the timeout") {
+  Daemon d;
+  d.signal(SIGSTOP);  // a wedged event loop, as far as clients can tell
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = ctl({"doctor", "--socket", d.socket(), "--timeout-ms", "500"});
+  const auto took = std::chrono::steady_clock::now() - t0;
+  INFO(r.output);
+  CHECK(r.code == 2);
+  CHECK(has(r.output, "FAIL  daemon"));
+  CHECK(has(r.output, "not answering within 500 ms"));
+  CHECK(took < 10s);
+  auto s = ctl({"status", "--socket", d.socket(), "--timeout-ms", "500"});
+  CHECK(s.code == 2);
+  d.signal(SIGCONT);
+}
+
 TEST_CASE("profile check: valid, invalid with file:line:column: key, JSON") {
   TempDir dir;
   const std::string good = dir.file("good.yaml");

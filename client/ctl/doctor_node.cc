@@ -93,7 +93,17 @@ void check_daemon(DoctorContext& ctx, Report& r) {
     ctx.daemon = fetch_status(socket, ctx.options.timeout);
   } catch (const Error& e) {
     ctx.daemon_error = e.what();
-    if (e.code() == Code::permission_denied) {
+    if (e.code() == Code::resource_exhausted) {
+      r.add("daemon", Verdict::fail, std::string("running but refused this client: ") + e.what(),
+            "raise client.max_clients in the profile (live on SIGHUP), or find the clients "
+            "that hold the connections (collectivectl status once one frees)");
+    } else if (e.code() == Code::timeout) {
+      r.add("daemon", Verdict::fail,
+            std::string("not answering within ") + std::to_string(ctx.options.timeout.count()) +
+                " ms: " + e.what(),
+            "its event loop is stuck or the machine is overloaded: journalctl -u collectived; "
+            "systemctl restart collectived (the watchdog restarts a wedged loop by itself)");
+    } else if (e.code() == Code::permission_denied) {
       r.add("daemon", Verdict::fail, std::string("refused: ") + e.what(),
             "ask the node's administrator to add uid " + std::to_string(::getuid()) +
                 " or one of your groups to client.allowed_uids / client.allowed_gids");
