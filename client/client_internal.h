@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -49,12 +50,42 @@ inline void copy_text(char* dst, std::size_t cap, const char* src) {
   dst[cap - 1] = '\0';
 }
 
+/// The GPU side of one stream-ordered collective (client/gpu.cc): fills the
+/// buffer references and the stream hand-off, then makes the stream wait.
+class GpuSubmit {
+ public:
+  virtual ~GpuSubmit() = default;
+  /// Registers (or finds) the buffers and records the event. Throws Error.
+  virtual void fill(wire::Collective::Builder c, const void* send, std::uint64_t send_bytes,
+                    const void* recv, std::uint64_t recv_bytes) = 0;
+  /// The request went out: enqueue the caller's stream's wait for the daemon.
+  virtual void sent() = 0;
+  /// What releases the caller's stream if the daemon refuses the operation.
+  virtual std::function<void()> on_failure() = 0;
+};
+
+/// client/comm.cc's submission path, for the stream-ordered calls. `request`
+/// may be null (fire and forget).
+collective_result_t submit_gpu_collective(collective_comm_t* comm, wire::OpKind kind,
+                                          const void* send, std::uint64_t send_bytes, void* recv,
+                                          std::uint64_t recv_bytes, std::size_t count,
+                                          collective_dtype_t dtype, collective_redop_t redop,
+                                          int root, const char* name,
+                                          collective_request_t** request, GpuSubmit& gpu);
+collective_client_t* comm_client(collective_comm_t* comm);
+std::string comm_where(const collective_comm_t* comm);
+
+struct GpuState;  // client/gpu.cc
+
 }  // namespace collectived::client
 
 struct collective_client {
   std::unique_ptr<collectived::client::Connection> conn;
   std::mutex buffers_mutex;
   std::map<std::uintptr_t, collectived::client::HostBuffer> buffers;  // by base address
+  // GPU registrations, flag page and event pools (client/gpu.cc), made at first use.
+  std::mutex gpu_mutex;
+  std::shared_ptr<collectived::client::GpuState> gpu;
 
   /// Handle and offset of `ptr` inside a buffer from collective_host_alloc
   /// holding at least `bytes` from it. Throws Error(invalid_argument).

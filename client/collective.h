@@ -275,6 +275,76 @@ COLLECTIVE_API collective_result_t collective_test(collective_request_t* request
 /** Frees a request (completed or not; an incomplete one completes unseen). */
 COLLECTIVE_API void collective_request_free(collective_request_t* request);
 
+/* ===========================================================================
+ * GPU buffers and stream-ordered collectives (issue C).
+ *
+ * Buffers are device pointers into any CUDA allocation of the caller: plain
+ * cudaMalloc memory, virtual-memory allocations (cuMemCreate, as PyTorch's
+ * expandable segments use; created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+ * among requestedHandleTypes), or cudaMallocAsync memory from a pool created
+ * with handleTypes = cudaMemHandleTypePosixFileDescriptor (the default pool
+ * cannot be shared: the error says so). The first use of an allocation
+ * registers all of it with the daemon (or call collective_gpu_register); a
+ * buffer freed and reallocated at the same address is detected by its buffer
+ * id and registered again.
+ *
+ * The _stream calls follow CUDA stream order, like NCCL: the operation runs
+ * after the work queued before it on `stream` (a cudaStream_t; NULL: the legacy
+ * default stream), and work queued after it waits for it. They never block the
+ * calling thread on the GPU. Every rank of the communicator must make the same
+ * call. The daemon runs the operation with its own kernels over the GPUs' peer
+ * mappings (NVLink). `request` may be NULL (nothing to wait for; errors then go
+ * unseen); with one, collective_wait() reports the outcome once the GPU work
+ * is done. If an operation fails, the caller's stream is released anyway (its
+ * output is then undefined) and the request carries the error.
+ * ========================================================================= */
+
+/** Registers the whole CUDA allocation holding `ptr` (optional: the _stream
+ *  calls do it on first use). *handle may be NULL. Errors name the allocation
+ *  kind and why it cannot be shared. */
+COLLECTIVE_API collective_result_t collective_gpu_register(collective_client_t* client,
+                                                           const void* ptr, uint64_t* handle);
+
+/** Deregisters the allocation holding `ptr`: the daemon closes its mapping once
+ *  operations in flight on it are done. */
+COLLECTIVE_API collective_result_t collective_gpu_deregister(collective_client_t* client,
+                                                             const void* ptr);
+
+COLLECTIVE_API collective_result_t collective_all_reduce_stream(
+    collective_comm_t* comm, const void* send, void* recv, size_t count, collective_dtype_t dtype,
+    collective_redop_t redop, void* stream, collective_request_t** request);
+COLLECTIVE_API collective_result_t collective_all_gather_stream(
+    collective_comm_t* comm, const void* send, void* recv, size_t count, collective_dtype_t dtype,
+    void* stream, collective_request_t** request);
+COLLECTIVE_API collective_result_t collective_reduce_scatter_stream(
+    collective_comm_t* comm, const void* send, void* recv, size_t count, collective_dtype_t dtype,
+    collective_redop_t redop, void* stream, collective_request_t** request);
+COLLECTIVE_API collective_result_t collective_broadcast_stream(
+    collective_comm_t* comm, const void* send, void* recv, size_t count, collective_dtype_t dtype,
+    int root, void* stream, collective_request_t** request);
+COLLECTIVE_API collective_result_t collective_reduce_stream(
+    collective_comm_t* comm, const void* send, void* recv, size_t count, collective_dtype_t dtype,
+    collective_redop_t redop, int root, void* stream, collective_request_t** request);
+/** send and recv must be different buffers (in-place is refused on GPUs). */
+COLLECTIVE_API collective_result_t collective_all_to_all_stream(
+    collective_comm_t* comm, const void* send, void* recv, size_t count, collective_dtype_t dtype,
+    void* stream, collective_request_t** request);
+
+/** The daemon's GPUs and CUDA MPS mode. */
+typedef struct collective_gpu_status {
+  int available;           /**< 1: the daemon runs GPU collectives */
+  char reason[256];        /**< why not, or the driver and GPU count */
+  uint32_t devices;        /**< GPUs the daemon sees */
+  char device_names[8][128];
+  char mps[16];            /**< managed | external | off (profile gpu.mps) */
+  char mps_reason[256];    /**< the mode in force and why */
+  uint32_t mappings;       /**< client GPU allocations open in the daemon */
+  uint64_t mapped_bytes;
+} collective_gpu_status_t;
+
+COLLECTIVE_API collective_result_t collective_gpu_status(collective_client_t* client,
+                                                         collective_gpu_status_t* out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -62,6 +62,7 @@ struct collective_request {
   bool done = false;
   collective_result_t result = COLLECTIVE_OK;
   std::string message;
+  std::function<void()> on_failure;  // GPU operations: releases the caller's stream
 };
 
 namespace {
@@ -81,15 +82,16 @@ void settle(collective_request_t* r, ipc::IncomingFrame* reply, const Error* bro
   if (broken != nullptr) {
     r->result = static_cast<collective_result_t>(broken->code());
     r->message = r->what + ": " + broken->what();
-    return;
+  } else {
+    try {
+      Connection::check(*reply);
+      r->result = COLLECTIVE_OK;
+    } catch (const Error& e) {
+      r->result = static_cast<collective_result_t>(e.code());
+      r->message = e.what();
+    }
   }
-  try {
-    Connection::check(*reply);
-    r->result = COLLECTIVE_OK;
-  } catch (const Error& e) {
-    r->result = static_cast<collective_result_t>(e.code());
-    r->message = e.what();
-  }
+  if (r->result != COLLECTIVE_OK && r->on_failure) r->on_failure();
 }
 
 collective_result_t finish(collective_request_t* r) {
@@ -100,11 +102,12 @@ collective_result_t finish(collective_request_t* r) {
 collective_result_t submit(collective_comm_t* comm, wire::OpKind kind, const void* send,
                            std::uint64_t send_bytes, void* recv, std::uint64_t recv_bytes,
                            std::size_t count, collective_dtype_t dtype, collective_redop_t redop,
-                           int root, const char* name, collective_request_t** request) {
-  if (comm == nullptr || request == nullptr) {
+                           int root, const char* name, collective_request_t** request,
+                           GpuSubmit* gpu = nullptr) {
+  if (comm == nullptr || (request == nullptr && gpu == nullptr)) {
     return fail(Code::invalid_argument, std::string(name) + ": comm and request must be set");
   }
-  *request = nullptr;
+  if (request != nullptr) *request = nullptr;
   if (kind != wire::OpKind::BARRIER && !valid_dtype(dtype)) {
     return fail(Code::invalid_argument,
                 std::string(name) + " on " + comm->where() + ": unknown dtype " +
@@ -120,12 +123,14 @@ collective_result_t submit(collective_comm_t* comm, wire::OpKind kind, const voi
     c.setCount(count);
     c.setRoot(root);
     try {
-      if (send_bytes > 0) {
+      if (gpu != nullptr) {
+        gpu->fill(c, send, send_bytes, recv, recv_bytes);
+      } else if (send_bytes > 0) {
         auto [h, o] = comm->client->locate(send, send_bytes, "send");
         c.getSend().setHandle(h);
         c.getSend().setOffset(o);
       }
-      if (recv_bytes > 0) {
+      if (gpu == nullptr && recv_bytes > 0) {
         auto [h, o] = comm->client->locate(recv, recv_bytes, "recv");
         c.getRecv().setHandle(h);
         c.getRecv().setOffset(o);
@@ -135,9 +140,41 @@ collective_result_t submit(collective_comm_t* comm, wire::OpKind kind, const voi
     }
     Connection& conn = *comm->client->conn;
     const std::uint64_t id = conn.send_request(b, {}, Clock::now() + kControlTimeout);
+    if (gpu != nullptr) gpu->sent();
+    if (request == nullptr) {
+      conn.abandon(id);  // fire and forget (stream-ordered): the reply is dropped
+      return;
+    }
     *request = new_request(comm, id, std::string(name) + " on " + comm->where());
+    if (gpu != nullptr) (*request)->on_failure = gpu->on_failure();
   });
 }
+
+}  // namespace
+
+namespace collectived::client {
+
+collective_result_t submit_gpu_collective(collective_comm_t* comm, wire::OpKind kind,
+                                          const void* send, std::uint64_t send_bytes, void* recv,
+                                          std::uint64_t recv_bytes, std::size_t count,
+                                          collective_dtype_t dtype, collective_redop_t redop,
+                                          int root, const char* name,
+                                          collective_request_t** request, GpuSubmit& gpu) {
+  if (comm != nullptr && kind != wire::OpKind::BARRIER && !valid_dtype(dtype)) {
+    return fail(Code::invalid_argument, std::string(name) + " on " + comm->where() +
+                                            ": unknown dtype " +
+                                            std::to_string(static_cast<int>(dtype)));
+  }
+  return submit(comm, kind, send, send_bytes, recv, recv_bytes, count, dtype, redop, root, name,
+                request, &gpu);
+}
+
+collective_client_t* comm_client(collective_comm_t* comm) { return comm->client; }
+std::string comm_where(const collective_comm_t* comm) { return comm->where(); }
+
+}  // namespace collectived::client
+
+namespace {
 
 bool is_root(collective_comm_t* comm, int root) { return comm != nullptr && comm->rank == root; }
 

@@ -63,6 +63,8 @@ class Connection {
   const std::string& node_name() const { return node_name_; }
   const std::string& daemon_version() const { return daemon_version_; }
   const std::string& socket_path() const { return socket_path_; }
+  /// The socket, for watching it (never read or write it from outside).
+  int socket_fd() const { return fd_.get(); }
 
  private:
   Connection(UniqueFd fd, std::string socket_path);

@@ -14,10 +14,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "client/collective.h"
+#include "engine/gpu/cuda_driver.h"
 #include "ipc/half.h"
 
 namespace {
@@ -67,6 +69,8 @@ struct Options {
   int root = 0;  // -1: all
   std::vector<Op> ops{Op::all_reduce};
   std::vector<std::string> daemons;
+  bool gpu = false;  // -g: GPU buffers, stream-ordered calls
+  int gpus = 0;      // --gpus N: rank r uses GPU r % N (0: every visible GPU)
 };
 
 [[noreturn]] void usage(const char* why) {
@@ -77,6 +81,8 @@ struct Options {
                "                       [-o sum|prod|min|max|avg|all] [-r root|all] [-z 0/1]\n"
                "                       [--op all-reduce|all-gather|reduce-scatter|broadcast|reduce|\n"
                "                             all-to-all|all] [--daemons SOCK1,SOCK2,...]\n"
+               "                       [-g] [--gpus N]\n"
+               "-g: GPU buffers (rank r on GPU r %% N), stream-ordered calls, timed with CUDA events.\n"
                "sizes take K, M, G suffixes (powers of 1024). Ranks are local processes,\n"
                "assigned to the daemons round robin ($COLLECTIVED_SOCKET or the default).\n",
                why);
@@ -176,6 +182,10 @@ Options parse(int argc, char** argv) {
         if (comma > at) o.daemons.push_back(v.substr(at, comma - at));
         at = comma + 1;
       }
+    } else if (a == "-g") {
+      o.gpu = true;
+    } else if (a == "--gpus") {
+      o.gpus = std::atoi(val());
     } else if (a == "-h" || a == "--help") {
       usage("help");
     } else {
@@ -271,8 +281,24 @@ bool close_enough(collective_dtype_t d, double got, double want) {
 
 // --- one rank -------------------------------------------------------------------
 
+namespace cu = collectived::gpu::cu;
+
+/// -g: this rank's GPU, stream and device buffers (driver API, loaded at run time).
+struct GpuSide {
+  std::unique_ptr<collectived::gpu::CudaDriver> cu;
+  int device = 0;
+  int ngpus = 1;
+  cu::Context ctx = nullptr;
+  cu::Stream stream = nullptr;
+  cu::Event start = nullptr, stop = nullptr;
+  cu::DevicePtr send = 0, recv = 0;
+};
+
 struct Rank {
   Options o;
+  GpuSide g;
+  char* hsend = nullptr;  // -g: host images of the device buffers
+  char* hrecv = nullptr;
   int rank = 0;
   collective_client_t* client = nullptr;
   collective_comm_t* comm = nullptr;
@@ -303,6 +329,27 @@ struct Rank {
                                std::size_t count, const void* send, void* recv) {
     collective_request_t* r = nullptr;
     collective_result_t rc = COLLECTIVE_OK;
+    if (o.gpu) {
+      void* s = g.stream;
+      switch (op) {
+        case Op::all_reduce:
+          rc = collective_all_reduce_stream(comm, send, recv, count, d, redop, s, &r);
+          break;
+        case Op::all_gather: rc = collective_all_gather_stream(comm, send, recv, count, d, s, &r); break;
+        case Op::reduce_scatter:
+          rc = collective_reduce_scatter_stream(comm, send, recv, count, d, redop, s, &r);
+          break;
+        case Op::broadcast:
+          rc = collective_broadcast_stream(comm, send, recv, count, d, root, s, &r);
+          break;
+        case Op::reduce:
+          rc = collective_reduce_stream(comm, send, recv, count, d, redop, root, s, &r);
+          break;
+        case Op::all_to_all: rc = collective_all_to_all_stream(comm, send, recv, count, d, s, &r); break;
+      }
+      if (rc != COLLECTIVE_OK) die(op_name(op));
+      return r;
+    }
     switch (op) {
       case Op::all_reduce: rc = collective_all_reduce(comm, send, recv, count, d, redop, &r); break;
       case Op::all_gather: rc = collective_all_gather(comm, send, recv, count, d, &r); break;
@@ -318,13 +365,56 @@ struct Rank {
   }
 
   /// Send and receive pointers for `count` elements per rank.
-  std::pair<const void*, void*> buffers(Op op, bool in_place, std::size_t count, std::size_t es) {
-    if (!in_place) return {sendbuf, recvbuf};
-    switch (op) {
-      case Op::all_gather: return {recvbuf + rank * count * es, recvbuf};
-      case Op::reduce_scatter: return {recvbuf, recvbuf + rank * count * es};
-      default: return {recvbuf, recvbuf};
+  std::pair<const void*, void*> buffers(Op op, bool in_place, std::size_t count, std::size_t es,
+                                        bool host = false) {
+    char* sb = sendbuf;
+    char* rb = recvbuf;
+    if (o.gpu) {
+      sb = host ? hsend : reinterpret_cast<char*>(g.send);
+      rb = host ? hrecv : reinterpret_cast<char*>(g.recv);
     }
+    if (!in_place) return {sb, rb};
+    switch (op) {
+      case Op::all_gather: return {rb + rank * count * es, rb};
+      case Op::reduce_scatter: return {rb, rb + rank * count * es};
+      default: return {rb, rb};
+    }
+  }
+
+  void cuda(cu::Result r, const char* what) {
+    if (r == cu::kSuccess) return;
+    std::fprintf(stderr, "collective-perf: rank %d: %s: %s\n", rank, what,
+                 g.cu->error_text(r).c_str());
+    std::fflush(stderr);
+    std::_Exit(3);
+  }
+
+  void gpu_setup() {
+    try {
+      g.cu = collectived::gpu::CudaDriver::load();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "collective-perf: rank %d: -g: %s\n", rank, e.what());
+      std::_Exit(3);
+    }
+    int count = 0;
+    cuda(g.cu->cuDeviceGetCount(&count), "cuDeviceGetCount");
+    const int use = o.gpus > 0 ? std::min(o.gpus, count) : count;
+    g.ngpus = use > 0 ? use : 1;
+    g.device = rank % g.ngpus;
+    cu::Device dev = 0;
+    cuda(g.cu->cuDeviceGet(&dev, g.device), "cuDeviceGet");
+    cuda(g.cu->cuDevicePrimaryCtxRetain(&g.ctx, dev), "cuDevicePrimaryCtxRetain");
+    cuda(g.cu->cuCtxSetCurrent(g.ctx), "cuCtxSetCurrent");
+    cuda(g.cu->cuStreamCreate(&g.stream, 1 /* non-blocking */), "cuStreamCreate");
+    cuda(g.cu->cuEventCreate(&g.start, 0), "cuEventCreate");
+    cuda(g.cu->cuEventCreate(&g.stop, 0), "cuEventCreate");
+    cuda(g.cu->cuMemAlloc(&g.send, buf_bytes), "cuMemAlloc");
+    cuda(g.cu->cuMemAlloc(&g.recv, buf_bytes), "cuMemAlloc");
+    cuda(g.cu->cuMemsetD8(g.send, 0, buf_bytes), "cuMemsetD8");
+    cuda(g.cu->cuMemsetD8(g.recv, 0, buf_bytes), "cuMemsetD8");
+    hsend = static_cast<char*>(std::calloc(buf_bytes, 1));
+    hrecv = static_cast<char*>(std::calloc(buf_bytes, 1));
+    if (hsend == nullptr || hrecv == nullptr) die("out of host memory");
   }
 
   /// Fills, runs once, checks; returns this rank's wrong elements.
@@ -332,14 +422,23 @@ struct Rank {
              bool in_place) {
     const std::size_t es = collective_dtype_size(d);
     const int n = o.nranks;
-    auto [send, recv] = buffers(op, in_place, count, es);
+    auto [send, recv] = buffers(op, in_place, count, es, /*host=*/true);
     const std::size_t send_elems =
         (op == Op::reduce_scatter || op == Op::all_to_all) ? count * n : count;
-    std::memset(recvbuf, 0x5a, buf_bytes);  // stale results must not pass as right
+    std::memset(o.gpu ? hrecv : recvbuf, 0x5a, buf_bytes);  // stale results must not pass as right
     for (std::size_t i = 0; i < send_elems; ++i) {
       store(d, const_cast<void*>(send), i, value(d, redop, rank, i));
     }
-    wait_one(submit(op, d, redop, root, count, send, recv), "check run");
+    if (o.gpu) {
+      cuda(g.cu->cuMemcpyHtoD(g.send, hsend, buf_bytes), "cuMemcpyHtoD");
+      cuda(g.cu->cuMemcpyHtoD(g.recv, hrecv, buf_bytes), "cuMemcpyHtoD");
+      auto [dsend, drecv] = buffers(op, in_place, count, es);
+      wait_one(submit(op, d, redop, root, count, dsend, drecv), "check run");
+      cuda(g.cu->cuStreamSynchronize(g.stream), "cuStreamSynchronize");
+      cuda(g.cu->cuMemcpyDtoH(hrecv, g.recv, buf_bytes), "cuMemcpyDtoH");
+    } else {
+      wait_one(submit(op, d, redop, root, count, send, recv), "check run");
+    }
     long wrong = 0;
     auto expect = [&](std::size_t at, double want) {
       if (!close_enough(d, load(d, recv, at), want)) ++wrong;
@@ -394,6 +493,20 @@ struct Rank {
       reqs.clear();
     };
     run(o.warmup);
+    if (o.gpu) {
+      // nccl-tests' way: the time the GPU stream took for the iterations.
+      cuda(g.cu->cuStreamSynchronize(g.stream), "cuStreamSynchronize");
+      barrier();
+      cuda(g.cu->cuEventRecord(g.start, g.stream), "cuEventRecord");
+      for (int i = 0; i < o.iters; ++i) reqs.push_back(submit(op, d, redop, root, count, send, recv));
+      cuda(g.cu->cuEventRecord(g.stop, g.stream), "cuEventRecord");
+      cuda(g.cu->cuEventSynchronize(g.stop), "cuEventSynchronize");
+      for (auto* r : reqs) wait_one(r, "timed run");
+      reqs.clear();
+      float ms = 0;
+      cuda(g.cu->cuEventElapsedTime(&ms, g.start, g.stop), "cuEventElapsedTime");
+      return 1000.0 * ms / o.iters;
+    }
     barrier();
     const auto t0 = Clock::now();
     run(o.iters);
@@ -447,6 +560,11 @@ struct Rank {
       double t[2];
       long wrong[2];
       for (int ip = 0; ip < 2; ++ip) {
+        if (o.gpu && op == Op::all_to_all && ip == 1) {
+          t[ip] = 0;  // in-place all-to-all is refused on GPU buffers
+          wrong[ip] = 0;
+          continue;
+        }
         long w = o.check ? check(op, d, redop, root, count, ip == 1) : 0;
         wrong[ip] = static_cast<long>(all_reduce_scalar(static_cast<double>(w), COLLECTIVE_SUM));
         t[ip] = all_reduce_scalar(time(op, d, redop, root, count, ip == 1), COLLECTIVE_MAX);
@@ -503,16 +621,19 @@ struct Rank {
       die("comm_init_rank");
     }
     buf_bytes = std::max<std::size_t>(o.max_bytes, 64);
+    if (o.gpu) gpu_setup();
+    // -g: the host buffers only carry the results exchange.
+    const std::size_t host_bytes = o.gpu ? 64 : buf_bytes;
     void* a = nullptr;
     void* b = nullptr;
-    if (collective_host_alloc(client, buf_bytes, &a) != COLLECTIVE_OK ||
-        collective_host_alloc(client, buf_bytes, &b) != COLLECTIVE_OK) {
+    if (collective_host_alloc(client, host_bytes, &a) != COLLECTIVE_OK ||
+        collective_host_alloc(client, host_bytes, &b) != COLLECTIVE_OK) {
       die("host_alloc");
     }
     sendbuf = static_cast<char*>(a);
     recvbuf = static_cast<char*>(b);
-    std::memset(sendbuf, 0, buf_bytes);
-    std::memset(recvbuf, 0, buf_bytes);
+    std::memset(sendbuf, 0, host_bytes);
+    std::memset(recvbuf, 0, host_bytes);
     if (rank == 0) {
       collective_status_t st{};
       collective_status(client, &st);
@@ -522,11 +643,22 @@ struct Rank {
                   o.factor > 1 ? (std::to_string(o.factor) + "(factor)").c_str()
                                : (std::to_string(o.step_bytes) + "(bytes)").c_str(),
                   o.warmup, o.iters, o.check, o.blocking);
+      if (o.gpu) {
+        collective_gpu_status_t gs{};
+        if (collective_gpu_status(client, &gs) == COLLECTIVE_OK) {
+          std::printf("# daemon GPUs: %s; MPS: %s\n", gs.reason, gs.mps_reason);
+        }
+      }
       std::printf("#\n# Using devices\n");
       for (int r = 0; r < o.nranks; ++r) {
         const std::string& s = o.daemons[r % o.daemons.size()];
-        std::printf("#  Rank %2d Group  0 on node %s daemon %s (host memory)\n", r, st.node_name,
-                    s.empty() ? "default" : s.c_str());
+        if (o.gpu) {
+          std::printf("#  Rank %2d Group  0 on node %s daemon %s (GPU %d)\n", r, st.node_name,
+                      s.empty() ? "default" : s.c_str(), r % g.ngpus);
+        } else {
+          std::printf("#  Rank %2d Group  0 on node %s daemon %s (host memory)\n", r,
+                      st.node_name, s.empty() ? "default" : s.c_str());
+        }
       }
       std::fflush(stdout);
     }

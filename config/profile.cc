@@ -393,6 +393,12 @@ constexpr std::array<EnumName<LogLevel>, 5> kLogLevels{{
     {"error", LogLevel::error},
 }};
 
+constexpr std::array<EnumName<std::string_view>, 3> kMpsModes{{
+    {"managed", "managed"},
+    {"external", "external"},
+    {"off", "off"},
+}};
+
 std::vector<TransportKind> as_transports(const YAML::Node& node, const Context& ctx) {
   std::vector<TransportKind> out;
   for_each_item(node, ctx, [&](const YAML::Node& item, const Context& c) {
@@ -573,6 +579,10 @@ constexpr std::array kSchema{
     Key{"verbs.mr_cache_entries",
         [](N n, Profile& p, C c) { p.verbs.mr_cache_entries = as_uint(n, c, 0, 1048576); },
         [](E e, P p) { e << p.verbs.mr_cache_entries; }, "cached user-buffer registrations"},
+
+    Key{"gpu.mps",
+        [](N n, Profile& p, C c) { p.gpu.mps = as_enum<std::string_view>(n, c, kMpsModes); },
+        [](E e, P p) { e << p.gpu.mps; }, "CUDA MPS: managed, external or off"},
 
     Key{"log.level",
         [](N n, Profile& p, C c) { p.log.level = as_enum<LogLevel>(n, c, kLogLevels); },

@@ -115,6 +115,10 @@ struct LogSection {
   LogLevel level = LogLevel::info;
 };
 
+struct GpuSection {
+  std::string mps = "off";  ///< managed | external | off (engine/gpu/mps.h)
+};
+
 struct MetricsSection {
   /// Prometheus endpoint: "" (off), "host:port" ("[v6]:port") or an absolute
   /// Unix socket path.
@@ -134,6 +138,7 @@ struct Profile {
   CollectivesSection collectives;
   VerbsSection verbs;
   LogSection log;
+  GpuSection gpu;
   MetricsSection metrics;
 };
 

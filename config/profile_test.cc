@@ -111,7 +111,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   const std::string text(cfg::default_profile_text());
   REQUIRE(!text.empty());
   const std::vector<std::string> keys = cfg::known_keys();
-  CHECK(keys.size() == 37);  // main's 33 + verbs.slot_bytes, slots_per_peer, mr_cache_entries + metrics.listen
+  CHECK(keys.size() == 38);  // main's 37 + metrics.listen
   CHECK(keys.front() == "node.name");
   CHECK(keys.back() == "metrics.listen");
   for (const std::string& key : keys) {
@@ -121,6 +121,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
 
   const cfg::Profile p = cfg::default_profile();
   CHECK(p.node.name == host_name());
+  CHECK(p.gpu.mps == "off");
   CHECK(p.client.socket == "/run/collectived/collectived.sock");
   CHECK(p.client.socket_mode == 0660);
   CHECK(p.client.allowed_uids == std::vector<std::uint32_t>{0});

@@ -101,6 +101,7 @@ Server::Server(config::Profile profile, ProfileSource source, engine::Logger& lo
       log_(logger),
       registry_(registry_limits(profile_)),
       engine_(engine_options(profile_, &metrics_), registry_, log_),
+      gpu_(engine::gpu::make_gpu_executor(log_, engine::gpu::GpuOptions{profile_.gpu.mps})),
       // An idle poller keeps polling this long before it sleeps: a little
       // longer than a small collective's round trip through the clients.
       ring_poller_(std::chrono::microseconds(200)),
@@ -119,6 +120,7 @@ Server::Server(config::Profile profile, ProfileSource source, engine::Logger& lo
                       }),
       started_(std::chrono::steady_clock::now()) {
   engine_.set_node_algorithms(node_algorithms(profile_));
+  engine_.set_gpu_executor(gpu_.get());
 }
 
 Server::~Server() {
@@ -339,6 +341,16 @@ void Server::fill_status(wire::StatusReply::Builder s) {
   s.setOperationsCompleted(es.completed);
   s.setLogLevel(std::string(config::to_string(log_.level())).c_str());
   tcp::fill_peer_status(peers_, s);
+  const auto g = gpu_->status();
+  auto gs = s.initGpu();
+  gs.setAvailable(g.available);
+  gs.setReason(g.reason.c_str());
+  auto devs = gs.initDevices(static_cast<unsigned>(g.devices.size()));
+  for (unsigned i = 0; i < g.devices.size(); ++i) devs.set(i, g.devices[i].c_str());
+  gs.setMps(g.mps.c_str());
+  gs.setMpsReason(g.mps_reason.c_str());
+  gs.setMappings(g.mappings);
+  gs.setMappedBytes(g.mapped_bytes);
   fill_comm_status(engine_.snapshot(), s);
   s.setMetricsAddress(metrics_server_.address().c_str());
   s.setClientSocket(profile_.client.socket.c_str());

@@ -54,6 +54,7 @@ class Server final : public SessionHost {
   void fill_status(wire::StatusReply::Builder status) override;
   void session_closed(std::uint64_t session_id) override;
   PeerManager& peers() override { return peers_; }
+  engine::gpu::GpuExecutor& gpu() override { return *gpu_; }
 
  private:
   void accept_next();
@@ -72,6 +73,9 @@ class Server final : public SessionHost {
   Metrics metrics_;  // before engine_, which reports to it
   engine::Registry registry_;
   engine::Engine engine_;
+  // After engine_: destroyed first, joining its completion thread (which
+  // answers through the engine) while the engine is still there.
+  std::unique_ptr<engine::gpu::GpuExecutor> gpu_;
   boost::asio::io_context io_;
   // After io_ (sessions it holds go before the io_context), after engine_
   // (its thread submits into the engine).

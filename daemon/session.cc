@@ -44,6 +44,8 @@ const char* message_name(wire::Message::Which w) {
     case wire::Message::PEER_PING: return "PeerPing";
     case wire::Message::PEER_PONG: return "PeerPong";
     case wire::Message::ATTACH_RING: return "AttachRing";
+    case wire::Message::REGISTER_GPU: return "RegisterGpu";
+    case wire::Message::ATTACH_GPU: return "AttachGpu";
   }
   return "unknown";
 }
@@ -299,6 +301,7 @@ void ClientSession::handle_collective(std::uint64_t id, wire::Collective::Reader
   a.root = req.getRoot();
   a.send = {req.getSend().getHandle(), req.getSend().getOffset()};
   a.recv = {req.getRecv().getHandle(), req.getRecv().getOffset()};
+  if (req.hasGpu()) a.gpu = gpu_sync(req.getGpu());
   host_.engine().collective(client_ref(from_worker), id, req.getComm(), a);
 }
 
@@ -423,6 +426,7 @@ void ClientSession::dispatch(ipc::IncomingFrame& frame) {
         return;
       }
       if (which != wire::Message::REGISTER_HOST && which != wire::Message::ATTACH_RING &&
+          which != wire::Message::REGISTER_GPU && which != wire::Message::ATTACH_GPU &&
           !frame.fds().empty()) {
         throw Error(Code::protocol, std::string(what) + " carries " +
                                         std::to_string(frame.fds().size()) +
@@ -465,6 +469,12 @@ void ClientSession::dispatch(ipc::IncomingFrame& frame) {
           break;
         case wire::Message::ATTACH_RING:
           handle_attach_ring(request_id, m.getAttachRing(), frame.fds());
+          break;
+        case wire::Message::REGISTER_GPU:  // daemon/session_gpu.cc
+          handle_register_gpu(request_id, m.getRegisterGpu(), frame.fds());
+          break;
+        case wire::Message::ATTACH_GPU:
+          handle_attach_gpu(request_id, m.getAttachGpu(), frame.fds());
           break;
         case wire::Message::COMM_READY:
         case wire::Message::COMPLETED:
@@ -673,6 +683,7 @@ void ClientSession::close(std::string_view reason) {
   // The engine first: its ranks of this client are dead, its peers are told.
   host_.engine().client_gone(id_);
   const std::size_t released = host_.registry().remove_all(id_);
+  host_.gpu().client_gone(id_);
   host_.logger().info("client_closed", {{"session", id_},
                                         {"pid", cred_.pid},
                                         {"client", name_},

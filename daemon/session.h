@@ -16,6 +16,7 @@
 
 #include "config/profile.h"
 #include "engine/engine.h"
+#include "engine/gpu/executor.h"
 #include "engine/host_mapping.h"
 #include "engine/log.h"
 #include "engine/registry.h"
@@ -47,6 +48,8 @@ class SessionHost {
   virtual void session_closed(std::uint64_t session_id) = 0;
   /// Connections to other nodes' daemons (engine/transport/tcp/peer_manager.h).
   virtual PeerManager& peers() = 0;
+  /// GPU memory and stream-ordered collectives (engine/gpu/executor.h).
+  virtual engine::gpu::GpuExecutor& gpu() = 0;
 };
 
 /// Identity of a client from SO_PEERCRED, fixed at accept().
@@ -110,6 +113,11 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
   void handle_p2p(std::uint64_t id, wire::P2PGroup::Reader req, bool from_worker);
   /// PeerPing: answered asynchronously (daemon/session_peer.cc).
   void handle_peer_ping(std::uint64_t id, wire::PeerPing::Reader req);
+  /// GPU registration and flag page (daemon/session_gpu.cc).
+  void handle_register_gpu(std::uint64_t id, wire::RegisterGpu::Reader req,
+                           std::vector<UniqueFd>& fds);
+  void handle_attach_gpu(std::uint64_t id, wire::AttachGpu::Reader req, std::vector<UniqueFd>& fds);
+  std::shared_ptr<engine::gpu::RankSync> gpu_sync(wire::GpuSync::Reader req);
   /// `from_worker`: the request is handled on a daemon worker thread (the
   /// ring poller), which may run small operations itself.
   engine::ClientRef client_ref(bool from_worker = false);

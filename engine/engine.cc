@@ -42,6 +42,11 @@ Engine::Engine(EngineOptions options, Registry& registry, Logger& log)
 
 Engine::~Engine() = default;
 
+void Engine::set_gpu_executor(gpu::GpuExecutor* executor) {
+  std::lock_guard lock(impl_->mu);
+  impl_->gpu = executor;
+}
+
 void Engine::set_deadlines(std::chrono::milliseconds operation,
                            std::chrono::milliseconds rendezvous) {
   std::lock_guard lock(impl_->mu);

@@ -19,6 +19,10 @@
 
 namespace collectived::engine {
 
+namespace gpu {
+class GpuExecutor;  // engine/gpu/executor.h
+}
+
 /// Told about every finished operation (daemon/metrics.h counts them). Called
 /// under the engine's lock, from the event loop or a worker: implementations
 /// must be cheap (atomics) and must not call back into the engine.
@@ -85,6 +89,10 @@ class Engine {
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
+
+  /// Collectives on GPU buffers run there (engine/gpu/); null: refused.
+  /// Set once, before requests arrive. Not owned.
+  void set_gpu_executor(gpu::GpuExecutor* executor);
 
   void set_deadlines(std::chrono::milliseconds operation, std::chrono::milliseconds rendezvous);
 

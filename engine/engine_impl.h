@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "engine/engine.h"
+#include "engine/gpu/executor.h"
 #include "engine/node_algorithms.h"
 #include "engine/plan.h"
 #include "engine/transport/transport.h"
@@ -33,6 +34,8 @@ struct Desc {
   std::uint64_t count = 0;
   int root = -1;
 
+  bool gpu = false;  // on GPU buffers, stream-ordered (engine/gpu/)
+
   bool operator==(const Desc&) const = default;
 
   std::string str() const {
@@ -43,6 +46,7 @@ struct Desc {
       s += ", op=" + std::string(to_string(redop));
     }
     if (kind == OpKind::broadcast || kind == OpKind::reduce) s += ", root=" + std::to_string(root);
+    if (gpu) s += ", on GPU buffers";
     return s + ")";
   }
 };
@@ -62,6 +66,7 @@ struct Part {
   pid_t pid = 0;
   Span send, recv;
   int color = 0, key = 0;  // comm_split
+  std::shared_ptr<gpu::RankSync> gpu_sync;  // GPU collectives
 };
 
 /// One sequence number of a communicator.
@@ -264,6 +269,7 @@ struct Engine::Impl {
   std::uint64_t next_handle = 1;
   std::uint64_t completed = 0;
   bool stopping = false;
+  gpu::GpuExecutor* gpu = nullptr;  // collectives on GPU buffers (engine/gpu/)
   // Communicators that span nodes.
   std::atomic<NodeTransport*> transport{nullptr};
   NodeAlgorithmOptions algorithms;
@@ -317,7 +323,7 @@ struct Engine::Impl {
     if (bytes == 0) return {};
     try {
       auto reg = registry.find_range(client.session, b.handle, b.offset, bytes);
-      std::byte* p = reg->mapping.data() + b.offset;
+      std::byte* p = reg->data() + b.offset;
       return Span{std::move(reg), p, bytes};
     } catch (const Error& e) {
       throw Error(e.code(), std::string(which) + " buffer: " + e.what());
@@ -378,6 +384,7 @@ struct Engine::Impl {
       out.push_back({part.sink, part.request, std::move(res)});
       part.send = {};
       part.recv = {};
+      part.gpu_sync.reset();  // releases the client's stream (its flag is written)
       remove_work(comm.members[r], [&](const Work& w) {
         return w.type == Work::Type::slot && w.seq == slot.seq;
       });
@@ -620,6 +627,10 @@ struct Engine::Impl {
     Comm& comm = *cp;
     slot.started = true;
     const std::uint64_t seq = slot.seq;
+    if (slot.desc.gpu) {
+      start_gpu_slot(comm, slot, out);
+      return;
+    }
     if (comm.spans_nodes()) {
       start_across_nodes(cp, seq);
       return;
@@ -654,6 +665,46 @@ struct Engine::Impl {
       deliver(done);
     });
     for (auto& t : more) tasks.push_back(std::move(t));
+  }
+
+  // ---- GPU hook: the executor enqueues the operation on the GPUs; the slot
+  // leaves the queues at once (the next operation may be enqueued behind it,
+  // stream order keeps them in order), and the answers wait for the GPU.
+  void start_gpu_slot(Comm& comm, Slot& slot, std::vector<Delivery>& out) {
+    gpu::GpuCollective op;
+    op.comm = comm.name;
+    op.seq = slot.seq;
+    op.kind = slot.desc.kind;
+    op.dtype = slot.desc.dtype;
+    op.redop = slot.desc.redop;
+    op.count = slot.desc.count;
+    op.root = slot.desc.root;
+    for (auto& part : slot.parts) {
+      op.send.push_back(part.send);
+      op.recv.push_back(part.recv);
+      op.sync.push_back(part.gpu_sync);
+    }
+    const std::uint64_t seq = slot.seq;
+    auto answers = std::make_shared<std::vector<Delivery>>();
+    complete_slot(comm, seq, *answers);
+    try {
+      if (comm.spans_nodes()) {
+        throw Error(Code::unavailable,
+                    "collectives on GPU buffers across nodes (host staging over TCP) are not "
+                    "implemented yet; this communicator spans nodes");
+      }
+      gpu->run(std::move(op), [this, answers, seq](Code code, std::string message) {
+        if (code != Code::ok) {
+          for (auto& d : *answers) d.result = error(code, message, seq);
+        }
+        deliver(*answers);
+      });
+    } catch (const Error& e) {
+      for (auto& d : *answers) {
+        d.result = error(e.code(), e.what(), seq);
+        out.push_back(std::move(d));
+      }
+    }
   }
 
   void complete_slot(Comm& comm, std::uint64_t seq, std::vector<Delivery>& out) {
@@ -802,6 +853,8 @@ struct Engine::Impl {
     }
     part.send = resolve_span(client, a.send, send_bytes, "send");
     part.recv = resolve_span(client, a.recv, recv_bytes, "recv");
+    check_memory_kind(a, part);
+    d.gpu = a.gpu != nullptr;
     // Overlapping send and receive buffers are only allowed in the in-place
     // layout of each operation; anything else would read half-written data.
     if (part.send.ptr && part.recv.ptr && part.send.reg == part.recv.reg) {
@@ -821,6 +874,40 @@ struct Engine::Impl {
       }
     }
     return d;
+  }
+
+  /// Host operations take host buffers, GPU operations GPU buffers of the same
+  /// allocations the client registered (buffer ids: freed and reallocated
+  /// memory is refused).
+  void check_memory_kind(const CollectiveArgs& a, Part& part) {
+    for (const auto* s : {&part.send, &part.recv}) {
+      if (!s->reg) continue;
+      const char* which = s == &part.send ? "send" : "recv";
+      const bool on_device = s->reg->device != nullptr;
+      if (!a.gpu && on_device) {
+        throw Error(Code::invalid_argument,
+                    std::string(which) + " buffer is GPU memory: use the stream-ordered call");
+      }
+      if (a.gpu && !on_device) {
+        throw Error(Code::invalid_argument,
+                    std::string(which) + " buffer is host memory, but the operation is on GPU buffers");
+      }
+      if (a.gpu) {
+        const std::uint64_t now = s == &part.send ? a.gpu->send_buffer_id : a.gpu->recv_buffer_id;
+        if (now != s->reg->device->buffer_id()) {
+          throw Error(Code::invalid_argument,
+                      std::string(which) + " buffer: stale registration " +
+                          std::to_string(s->reg->handle) + ": it was made for buffer id " +
+                          std::to_string(s->reg->device->buffer_id()) +
+                          ", but the memory there is now buffer id " + std::to_string(now) +
+                          " (freed and reallocated); register it again");
+        }
+      }
+    }
+    if (a.gpu && gpu == nullptr) {
+      throw Error(Code::unavailable, "this daemon has no GPU executor");
+    }
+    part.gpu_sync = a.gpu;
   }
 
   void submit_slot(const ClientRef& client, std::uint64_t request, std::uint64_t handle,

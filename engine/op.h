@@ -15,6 +15,10 @@
 
 namespace collectived::engine {
 
+namespace gpu {
+class RankSync;  // engine/gpu/executor.h
+}
+
 using Clock = std::chrono::steady_clock;
 
 enum class OpKind : std::uint8_t {
@@ -46,6 +50,9 @@ struct CollectiveArgs {
   std::int32_t root = 0;
   BufferArg send;
   BufferArg recv;
+  /// Set for a stream-ordered collective on GPU buffers (engine/gpu/): the
+  /// rank's stream hand-off. Both buffers must then be GPU registrations.
+  std::shared_ptr<gpu::RankSync> gpu;
 };
 
 /// One send or receive of a p2p group.

@@ -8,14 +8,23 @@ namespace collectived::engine {
 
 std::uint64_t Registry::add(std::uint64_t owner, HostMapping mapping) {
   std::lock_guard lock(mutex_);
+  return add_locked(owner, Registration{0, owner, std::move(mapping), nullptr}, true);
+}
+
+std::uint64_t Registry::add_device(std::uint64_t owner, std::shared_ptr<DeviceMemory> device) {
+  std::lock_guard lock(mutex_);
+  return add_locked(owner, Registration{0, owner, HostMapping{}, std::move(device)}, false);
+}
+
+std::uint64_t Registry::add_locked(std::uint64_t owner, Registration reg, bool limited) {
   Totals& mine = by_owner_[owner];
   if (mine.count >= limits_.max_per_owner) {
     throw Error(Code::resource_exhausted,
                 "client already holds " + std::to_string(mine.count) +
                     " registrations (client.max_registrations_per_client)");
   }
-  const std::uint64_t size = mapping.size();
-  if (limits_.max_total_bytes != 0 && total_bytes_ + size > limits_.max_total_bytes) {
+  const std::uint64_t size = reg.size();
+  if (limited && limits_.max_total_bytes != 0 && total_bytes_ + size > limits_.max_total_bytes) {
     throw Error(Code::resource_exhausted,
                 "registering " + std::to_string(size) + " bytes would exceed the node's " +
                     std::to_string(limits_.max_total_bytes) +
@@ -23,8 +32,8 @@ std::uint64_t Registry::add(std::uint64_t owner, HostMapping mapping) {
                     std::to_string(total_bytes_) + " are registered");
   }
   const std::uint64_t handle = next_handle_++;
-  by_handle_.emplace(handle, std::make_shared<Registration>(
-                                 Registration{handle, owner, std::move(mapping)}));
+  reg.handle = handle;
+  by_handle_.emplace(handle, std::make_shared<Registration>(std::move(reg)));
   mine.count += 1;
   mine.bytes += size;
   total_bytes_ += size;
@@ -54,7 +63,7 @@ std::shared_ptr<Registration> Registry::find_range(std::uint64_t owner, std::uin
                                                    std::uint64_t offset,
                                                    std::uint64_t bytes) const {
   auto reg = find(owner, handle);
-  const std::uint64_t size = reg->mapping.size();
+  const std::uint64_t size = reg->size();
   // Written to be overflow-safe: offset + bytes could wrap.
   if (offset > size || bytes > size - offset) {
     throw Error(Code::invalid_argument,
@@ -73,9 +82,9 @@ void Registry::remove(std::uint64_t owner, std::uint64_t handle) {
     by_handle_.erase(handle);
     Totals& mine = by_owner_[owner];
     mine.count -= 1;
-    mine.bytes -= victim->mapping.size();
+    mine.bytes -= victim->size();
     if (mine.count == 0) by_owner_.erase(owner);
-    total_bytes_ -= victim->mapping.size();
+    total_bytes_ -= victim->size();
   }
   // The unmap (in the last owner's destructor) happens outside the lock.
 }
@@ -86,7 +95,7 @@ std::size_t Registry::remove_all(std::uint64_t owner) {
     std::lock_guard lock(mutex_);
     for (auto it = by_handle_.begin(); it != by_handle_.end();) {
       if (it->second->owner == owner) {
-        total_bytes_ -= it->second->mapping.size();
+        total_bytes_ -= it->second->size();
         victims.push_back(std::move(it->second));
         it = by_handle_.erase(it);
       } else {

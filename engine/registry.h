@@ -11,12 +11,30 @@
 
 namespace collectived::engine {
 
+/// A client's GPU allocation opened by the daemon (engine/gpu/): closed when
+/// the last holder lets go.
+class DeviceMemory {
+ public:
+  virtual ~DeviceMemory() = default;
+  virtual std::byte* data() const = 0;  ///< device address in the daemon (UVA)
+  /// The same memory as GPU `device` reaches it (an allocation opened through
+  /// a legacy IPC handle is mapped per accessing GPU). Thread-safe.
+  virtual std::byte* data_on(int device) const { (void)device; return data(); }
+  virtual std::uint64_t size() const = 0;
+  virtual int device() const = 0;       ///< the daemon's ordinal of the GPU holding it
+  virtual std::uint64_t buffer_id() const = 0;  ///< the client's buffer id at registration
+};
+
 /// One registration: memory of one client mapped by the daemon. Shared so that
 /// an operation in flight keeps the mapping alive after deregistration.
 struct Registration {
   std::uint64_t handle;
   std::uint64_t owner;  ///< session id of the client that registered it
   HostMapping mapping;
+  std::shared_ptr<DeviceMemory> device;  ///< set for GPU memory (mapping is empty then)
+
+  std::byte* data() const { return device ? device->data() : mapping.data(); }
+  std::uint64_t size() const { return device ? device->size() : mapping.size(); }
 };
 
 /// Limits from the profile.
@@ -34,6 +52,9 @@ class Registry {
   /// Adds a mapping owned by `owner`; returns its handle.
   /// Throws Error(resource_exhausted) when a profile limit would be exceeded.
   std::uint64_t add(std::uint64_t owner, HostMapping mapping);
+  /// Adds a client's GPU allocation opened by the daemon. GPU memory does not
+  /// count against memory.max_registered_bytes (the daemon maps no host memory for it).
+  std::uint64_t add_device(std::uint64_t owner, std::shared_ptr<DeviceMemory> device);
 
   /// Looks up `handle` for `owner`. Throws Error(not_found) for an unknown or
   /// deregistered handle and Error(permission_denied) for another client's.
@@ -59,6 +80,7 @@ class Registry {
   void set_limits(RegistryLimits limits);
 
  private:
+  std::uint64_t add_locked(std::uint64_t owner, Registration reg, bool limited);
   std::shared_ptr<Registration> find_locked(std::uint64_t owner, std::uint64_t handle) const;
 
   mutable std::mutex mutex_;

@@ -109,9 +109,10 @@ struct StatusReply {
   operationsCompleted @15 :UInt64;
   peers @16 :List(PeerInfo);     # other nodes' daemons known since start
   peerAddress @17 :Text;         # "host:port" peers reach this daemon at ("" = no listener)
-  comms @18 :List(CommStatus);   # communicators with ranks on this daemon, in-flight operations
-  metricsAddress @19 :Text;      # where the Prometheus endpoint listens ("" = off)
-  clientSocket @20 :Text;        # the socket clients connect to (client.socket)
+  gpu @18 :GpuStatus;
+  comms @19 :List(CommStatus);   # communicators with ranks on this daemon, in-flight operations
+  metricsAddress @20 :Text;      # where the Prometheus endpoint listens ("" = off)
+  clientSocket @21 :Text;        # the socket clients connect to (client.socket)
 }
 
 # One communicator in StatusReply.comms (collectivectl status, comms).
@@ -209,6 +210,7 @@ struct Collective {
   root @5 :Int32;
   send @6 :BufferRef;
   recv @7 :BufferRef;
+  gpu @8 :GpuSync;          # set: stream-ordered, on GPU buffers (see GPU section below)
 }
 
 struct P2PItem {
@@ -263,6 +265,8 @@ struct Message {
     attachRing @18 :AttachRing;
     peerPing @19 :PeerPing;
     peerPong @20 :PeerPong;
+    registerGpu @21 :RegisterGpu;
+    attachGpu @22 :AttachGpu;
   }
 }
 
@@ -305,4 +309,58 @@ struct PeerPong {
   rttUs @1 :UInt64;
   skewMs @2 :Float64;            # the peer's wall clock minus this node's
   newConnection @3 :Bool;        # the ping opened the connection
+}
+
+# --- GPU memory and stream-ordered collectives (issue C) -------------------------
+
+# How the client exported a GPU allocation.
+enum GpuMemoryKind {
+  legacyIpc @0;   # cudaMalloc: cuIpcGetMemHandle of the allocation's base (no descriptor)
+  posixFd @1;     # cuMemCreate (VMM): cuMemExportToShareableHandle; one fd travels with the frame
+  poolFd @2;      # cudaMallocAsync from a pool made shareable (POSIX fd): the pool's fd
+                  # travels with the frame, `handle` is cuMemPoolExportPointer's data
+}
+
+# Registers one whole GPU allocation (from its base). Answered by Registered;
+# collectives then name places in it by handle and offset.
+struct RegisterGpu {
+  kind @0 :GpuMemoryKind;
+  handle @1 :Data;          # 64 bytes (legacyIpc, poolFd); empty for posixFd
+  size @2 :UInt64;          # bytes from the allocation's base
+  deviceUuid @3 :Data;      # 16 bytes: the GPU (ordinals differ between processes)
+  bufferId @4 :UInt64;      # CU_POINTER_ATTRIBUTE_BUFFER_ID in the client at registration
+}
+
+# Attaches the client's flag page: a memfd (sealed against shrinking) of 32-bit
+# words that the client's streams wait on (cuStreamWaitValue32, >=) and the
+# daemon writes when an operation is done. One fd travels with it.
+struct AttachGpu {
+  bytes @0 :UInt64;
+}
+
+# The stream hand-off of one stream-ordered collective: the client recorded an
+# interprocess event on its stream (the daemon's streams wait on it) and made
+# its stream wait until flag word `flagWord` reaches `ticket` (the daemon
+# writes it after the operation, or from the CPU if the operation fails).
+struct GpuSync {
+  eventHandle @0 :Data;     # 64 bytes, cuIpcGetEventHandle
+  eventId @1 :UInt32;       # the client's pool index (the daemon opens each event once)
+  flagWord @2 :UInt32;
+  ticket @3 :UInt32;
+  sendBufferId @4 :UInt64;  # the client's buffer ids now: a registration of memory since
+  recvBufferId @5 :UInt64;  # freed and reallocated at the same address is refused
+  readyWord @6 :UInt32;     # with no eventHandle: the client's stream wrote `ticket` to this
+                            # word of its flag page when its producer work was done; the
+                            # daemon's stream waits for it (and the daemon writes it itself if
+                            # the client dies, so that its streams never wait forever)
+}
+
+struct GpuStatus {
+  available @0 :Bool;
+  reason @1 :Text;          # why not, or the driver and GPU count
+  devices @2 :List(Text);
+  mps @3 :Text;             # managed | external | off (profile gpu.mps)
+  mpsReason @4 :Text;       # the mode in force and why
+  mappings @5 :UInt32;      # client GPU allocations open in the daemon
+  mappedBytes @6 :UInt64;
 }

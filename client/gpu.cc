@@ -1,0 +1,493 @@
+// libcollective's GPU side: registration of CUDA allocations with the daemon,
+// the flag page the caller's streams wait on, pooled interprocess events, and
+// the stream-ordered collectives (client/collective.h, GPU section).
+//
+// Only the CUDA driver API is used, loaded at run time (engine/gpu/cuda_driver.h):
+// libcollective needs no CUDA toolkit to build and no driver to load.
+#include <fcntl.h>
+#include <poll.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <thread>
+#include <vector>
+
+#include "client/client_internal.h"
+#include "engine/gpu/cuda_driver.h"
+
+using namespace collectived;
+using namespace collectived::client;
+namespace cu = collectived::gpu::cu;
+using collectived::gpu::CudaDriver;
+using collectived::gpu::ScopedContext;
+
+namespace collectived::client {
+
+namespace {
+// Words of the flag page: one per operation in flight at most; reused round
+// robin. The page holds kFlagWords "done" words (the daemon writes them, the
+// caller's stream waits) and then kFlagWords "ready" words (the caller's stream
+// writes them, the daemon's stream waits).
+constexpr std::uint32_t kFlagWords = 4096;
+constexpr std::size_t kFlagPageBytes = 2 * kFlagWords * 4;
+
+std::string ptr_text(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", p);
+  return buf;
+}
+}  // namespace
+
+struct GpuRegistration {
+  std::uint64_t handle = 0;
+  std::uint64_t size = 0;
+  std::uint64_t buffer_id = 0;
+};
+
+
+struct GpuState {
+  std::unique_ptr<CudaDriver> cu;
+  Connection* conn = nullptr;
+  void* flags = nullptr;
+  cu::DevicePtr flags_dev = 0;
+  std::vector<std::uint32_t> tickets = std::vector<std::uint32_t>(kFlagWords, 0);
+  std::uint64_t next_word = 0;
+  std::map<std::uintptr_t, GpuRegistration> regs;  // by allocation base
+  std::mutex tickets_mu;  // tickets[] between submitters and the watchdog
+  std::atomic<bool> stop{false};
+  std::thread watchdog;
+
+  /// If the daemon dies, nothing writes the flag words any more: release every
+  /// stream still waiting, so that the application's GPU never hangs on us
+  /// (its operations then fail with the connection's error).
+  void watch(int fd) {
+    watchdog = std::thread([this, fd] {
+      while (!stop.load()) {
+        pollfd p{fd, POLLRDHUP, 0};
+        const int r = ::poll(&p, 1, 200);
+        if (r > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0) {
+          release_all();
+          return;
+        }
+      }
+    });
+  }
+  void release_all() {
+    std::lock_guard lock(tickets_mu);
+    for (std::uint32_t w = 0; w < kFlagWords; ++w) release(w, tickets[w]);
+  }
+
+  std::atomic<std::uint32_t>* word(std::uint32_t w) const {
+    return reinterpret_cast<std::atomic<std::uint32_t>*>(flags) + w;
+  }
+  bool reached(std::uint32_t w, std::uint32_t ticket) const {
+    return static_cast<std::int32_t>(word(w)->load(std::memory_order_acquire) - ticket) >= 0;
+  }
+  /// Moves a word forward to `ticket` from the CPU (never backwards).
+  void release(std::uint32_t w, std::uint32_t ticket) const {
+    auto* a = word(w);
+    std::uint32_t cur = a->load(std::memory_order_relaxed);
+    while (static_cast<std::int32_t>(ticket - cur) > 0 &&
+           !a->compare_exchange_weak(cur, ticket, std::memory_order_release)) {
+    }
+  }
+
+  ~GpuState() {
+    stop = true;
+    if (watchdog.joinable()) watchdog.join();
+    if (flags == nullptr) return;
+    // Nothing will write these words any more: release every stream still
+    // waiting, so that a disconnect never leaves the application's GPU stuck.
+    release_all();
+    cu->cuMemHostUnregister(flags);
+    ::munmap(flags, kFlagPageBytes);
+  }
+};
+
+namespace {
+
+/// The client's GPU state, made at first use: the driver, the flag page
+/// registered with CUDA here and attached to the daemon.
+std::shared_ptr<GpuState> gpu_state(collective_client_t* client) {
+  std::lock_guard lock(client->gpu_mutex);
+  if (client->gpu) return client->gpu;
+  auto s = std::make_shared<GpuState>();
+  s->cu = CudaDriver::load();
+  s->conn = client->conn.get();
+  const std::size_t bytes = kFlagPageBytes;
+  UniqueFd fd(::memfd_create("collective-gpu-flags", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!fd) throw Error(Code::system, std::string("memfd_create: ") + std::strerror(errno));
+  if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0 ||
+      ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    throw Error(Code::system, std::string("flag page memfd: ") + std::strerror(errno));
+  }
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  if (p == MAP_FAILED) throw Error(Code::system, std::string("mmap: ") + std::strerror(errno));
+  const cu::Result r = s->cu->cuMemHostRegister(
+      p, bytes, cu::kMemHostRegisterPortable | cu::kMemHostRegisterDeviceMap);
+  if (r != cu::kSuccess) {
+    ::munmap(p, bytes);
+    s->cu->check(r, "cuMemHostRegister of the GPU flag page");
+  }
+  s->flags = p;  // from here the destructor cleans up
+  s->cu->check(s->cu->cuMemHostGetDevicePointer(&s->flags_dev, p, 0), "cuMemHostGetDevicePointer");
+  capnp::MallocMessageBuilder b;
+  b.initRoot<wire::Message>().initAttachGpu().setBytes(bytes);
+  const int fds[1] = {fd.get()};
+  client->conn->call(b, fds, Clock::now() + kControlTimeout);
+  s->watch(client->conn->socket_fd());
+  client->gpu = s;
+  return s;
+}
+
+std::uint64_t attribute_u64(const CudaDriver& cu, int attr, const void* ptr, const char* what) {
+  std::uint64_t v = 0;
+  cu.check(cu.cuPointerGetAttribute(&v, attr, reinterpret_cast<cu::DevicePtr>(ptr)), what);
+  return v;
+}
+
+/// Registers the allocation holding `ptr` (state mutex held by the caller).
+GpuRegistration& register_allocation(collective_client_t* client, GpuState& s, const void* ptr,
+                                     std::uint64_t base, std::uint64_t size,
+                                     std::uint64_t buffer_id) {
+  const CudaDriver& cu = *s.cu;
+  const std::string where = "GPU memory at " + ptr_text(ptr);
+  int ordinal = 0;
+  cu.check(cu.cuPointerGetAttribute(&ordinal, cu::kPointerAttributeDeviceOrdinal,
+                                    reinterpret_cast<cu::DevicePtr>(ptr)),
+           where + ": device ordinal");
+  cu::Device dev = 0;
+  cu.check(cu.cuDeviceGet(&dev, ordinal), "cuDeviceGet");
+  cu::Uuid uuid{};
+  cu.check(cu.cuDeviceGetUuid(&uuid, dev), "cuDeviceGetUuid");
+
+  capnp::MallocMessageBuilder b;
+  auto r = b.initRoot<wire::Message>().initRegisterGpu();
+  r.setSize(size);
+  r.setDeviceUuid(capnp::Data::Reader(reinterpret_cast<const capnp::byte*>(uuid.bytes), 16));
+  r.setBufferId(buffer_id);
+  UniqueFd fd;
+  void* pool = nullptr;
+  cu.check(cu.cuPointerGetAttribute(&pool, cu::kPointerAttributeMempoolHandle,
+                                    reinterpret_cast<cu::DevicePtr>(ptr)),
+           where + ": memory pool");
+  int legacy = 0;
+  cu.check(cu.cuPointerGetAttribute(&legacy, cu::kPointerAttributeIsLegacyIpcCapable,
+                                    reinterpret_cast<cu::DevicePtr>(ptr)),
+           where + ": IPC capability");
+  if (pool != nullptr) {
+    // cudaMallocAsync: only a pool made shareable can be exported.
+    int raw = -1;
+    const cu::Result e = cu.cuMemPoolExportToShareableHandle(
+        &raw, static_cast<cu::MemPool>(pool), cu::kMemHandleTypePosixFd, 0);
+    if (e != cu::kSuccess) {
+      throw Error(Code::invalid_argument,
+                  where + " is stream-ordered pool memory (cudaMallocAsync) from a pool that "
+                          "cannot be shared (" + cu.error_text(e) + "); the default pool never "
+                          "can: allocate from a pool created with handleTypes = "
+                          "cudaMemHandleTypePosixFileDescriptor, or with cudaMalloc");
+    }
+    fd.reset(raw);
+    cu::MemPoolPtrExportData data{};
+    cu.check(cu.cuMemPoolExportPointer(&data, base), where + ": cuMemPoolExportPointer");
+    r.setKind(wire::GpuMemoryKind::POOL_FD);
+    r.setHandle(capnp::Data::Reader(data.reserved, sizeof data.reserved));
+  } else if (legacy != 0) {
+    cu::IpcMemHandle h{};
+    cu.check(cu.cuIpcGetMemHandle(&h, base), where + " (cudaMalloc memory): cuIpcGetMemHandle");
+    r.setKind(wire::GpuMemoryKind::LEGACY_IPC);
+    r.setHandle(capnp::Data::Reader(h.data, sizeof h.data));
+  } else {
+    // Virtual-memory allocation (cuMemCreate): export its physical memory as a
+    // POSIX file descriptor, which travels by SCM_RIGHTS.
+    cu::GenericAllocationHandle h = 0;
+    cu.check(cu.cuMemRetainAllocationHandle(&h, reinterpret_cast<void*>(base)),
+             where + " is neither cudaMalloc nor pool memory; cuMemRetainAllocationHandle");
+    int raw = -1;
+    const cu::Result e = cu.cuMemExportToShareableHandle(&raw, h, cu::kMemHandleTypePosixFd, 0);
+    cu.cuMemRelease(h);
+    if (e != cu::kSuccess) {
+      throw Error(Code::invalid_argument,
+                  where + " is a virtual-memory allocation (cuMemCreate) that cannot be exported "
+                          "as a file descriptor (" + cu.error_text(e) + "): create it with "
+                          "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in requestedHandleTypes");
+    }
+    fd.reset(raw);
+    r.setKind(wire::GpuMemoryKind::POSIX_FD);
+  }
+  std::vector<int> fds;
+  if (fd) fds.push_back(fd.get());
+  auto reply = client->conn->call(b, fds, Clock::now() + kControlTimeout);
+  GpuRegistration reg;
+  reg.handle = reply->message().getRegistered().getHandle();
+  reg.size = size;
+  reg.buffer_id = buffer_id;
+  return s.regs[base] = reg;
+}
+
+void deregister_handle(collective_client_t* client, std::uint64_t handle) {
+  capnp::MallocMessageBuilder b;
+  b.initRoot<wire::Message>().initDeregister().setHandle(handle);
+  client->conn->call(b, {}, Clock::now() + kControlTimeout);
+}
+
+struct Located {
+  std::uint64_t handle = 0, offset = 0, buffer_id = 0;
+};
+
+/// Handle and offset of [ptr, ptr+bytes), registering its allocation first if
+/// needed, and again if the memory there was freed and reallocated.
+Located locate_gpu(collective_client_t* client, GpuState& s, const void* ptr, std::uint64_t bytes,
+                   const char* which) {
+  const CudaDriver& cu = *s.cu;
+  const auto p = reinterpret_cast<cu::DevicePtr>(ptr);
+  unsigned type = 0;
+  const cu::Result tr = cu.cuPointerGetAttribute(&type, cu::kPointerAttributeMemoryType, p);
+  if (tr != cu::kSuccess || type != cu::kMemoryTypeDevice) {
+    throw Error(Code::invalid_argument, std::string(which) + " buffer " + ptr_text(ptr) +
+                                            " is not GPU memory the CUDA driver knows" +
+                                            (tr != cu::kSuccess ? " (" + cu.error_text(tr) + ")" : ""));
+  }
+  cu::DevicePtr base = 0;
+  std::size_t size = 0;
+  cu.check(cu.cuMemGetAddressRange(&base, &size, p), std::string(which) + " buffer: cuMemGetAddressRange");
+  if (p + bytes > base + size) {
+    throw Error(Code::invalid_argument, std::string(which) + " buffer " + ptr_text(ptr) + " + " +
+                                            std::to_string(bytes) +
+                                            " bytes runs past the end of its allocation");
+  }
+  const std::uint64_t id = attribute_u64(cu, cu::kPointerAttributeBufferId, ptr, "buffer id");
+  auto it = s.regs.find(base);
+  if (it != s.regs.end() && (it->second.buffer_id != id || it->second.size != size)) {
+    // Freed and reallocated at the same address: the old registration is stale.
+    const std::uint64_t stale = it->second.handle;
+    s.regs.erase(it);
+    it = s.regs.end();
+    try {
+      deregister_handle(client, stale);
+    } catch (const Error&) {
+      // Already gone on the daemon's side; nothing more to release.
+    }
+  }
+  GpuRegistration& reg =
+      it != s.regs.end() ? it->second : register_allocation(client, s, ptr, base, size, id);
+  return Located{reg.handle, p - base, id};
+}
+
+class StreamSubmit final : public GpuSubmit {
+ public:
+  StreamSubmit(collective_client_t* client, std::shared_ptr<GpuState> s, cu::Stream stream)
+      : client_(client), s_(std::move(s)), stream_(stream) {}
+
+  void fill(wire::Collective::Builder c, const void* send, std::uint64_t send_bytes,
+            const void* recv, std::uint64_t recv_bytes) override {
+    GpuState& s = *s_;
+    const CudaDriver& cu = *s.cu;
+    lock_ = std::unique_lock(client_->gpu_mutex);
+    cu::Context ctx = nullptr;
+    cu.check(cu.cuStreamGetCtx(stream_, &ctx), "cuStreamGetCtx of the caller's stream");
+    ScopedContext scope(cu, ctx);
+    Located snd, rcv;
+    if (send_bytes > 0) snd = locate_gpu(client_, s, send, send_bytes, "send");
+    if (recv_bytes > 0) rcv = locate_gpu(client_, s, recv, recv_bytes, "recv");
+    c.getSend().setHandle(snd.handle);
+    c.getSend().setOffset(snd.offset);
+    c.getRecv().setHandle(rcv.handle);
+    c.getRecv().setOffset(rcv.offset);
+    // A flag word whose previous operation is done (4096 in flight at most).
+    word_ = static_cast<std::uint32_t>(s.next_word++ % kFlagWords);
+    while (!s.reached(word_, s.tickets[word_])) sched_yield();
+    {
+      std::lock_guard tl(s.tickets_mu);
+      ticket_ = ++s.tickets[word_];
+    }
+    // The input is ready when the caller's stream gets here: it writes the
+    // ticket to this operation's ready word, which the daemon's stream waits
+    // for. (Not an interprocess event: a stream waiting on the event of a
+    // client that dies never goes on; a ready word the daemon can write
+    // itself when the client is gone.)
+    cu.check(cu.cuStreamWriteValue32(stream_, s.flags_dev + 4 * (kFlagWords + word_), ticket_,
+                                     cu::kStreamWriteValueDefault),
+             "cuStreamWriteValue32 (marking the input ready)");
+    auto g = c.initGpu();
+    g.setFlagWord(word_);
+    g.setReadyWord(kFlagWords + word_);
+    g.setTicket(ticket_);
+    g.setSendBufferId(snd.buffer_id);
+    g.setRecvBufferId(rcv.buffer_id);
+    ctx_ = ctx;
+  }
+
+  void sent() override {
+    const CudaDriver& cu = *s_->cu;
+    ScopedContext scope(cu, ctx_);
+    const cu::Result r = cu.cuStreamWaitValue32(stream_, s_->flags_dev + 4 * word_, ticket_,
+                                                cu::kStreamWaitValueGeq);
+    lock_.unlock();
+    cu.check(r, "cuStreamWaitValue32 (the caller's stream waiting for the daemon)");
+  }
+
+  std::function<void()> on_failure() override {
+    return [s = s_, w = word_, t = ticket_] { s->release(w, t); };
+  }
+
+ private:
+  collective_client_t* client_;
+  std::shared_ptr<GpuState> s_;
+  cu::Stream stream_;
+  cu::Context ctx_ = nullptr;
+  std::unique_lock<std::mutex> lock_;
+  std::uint32_t word_ = 0, ticket_ = 0;
+};
+
+collective_result_t stream_op(collective_comm_t* comm, wire::OpKind kind, const void* send,
+                              std::uint64_t send_bytes, void* recv, std::uint64_t recv_bytes,
+                              std::size_t count, collective_dtype_t dtype,
+                              collective_redop_t redop, int root, void* stream, const char* name,
+                              collective_request_t** request) {
+  if (comm == nullptr) return fail(Code::invalid_argument, std::string(name) + ": comm must be set");
+  std::shared_ptr<GpuState> s;
+  const collective_result_t r = guarded(name, [&] { s = gpu_state(comm_client(comm)); });
+  if (r != COLLECTIVE_OK) return r;
+  StreamSubmit submit(comm_client(comm), s, static_cast<cu::Stream>(stream));
+  return submit_gpu_collective(comm, kind, send, send_bytes, recv, recv_bytes, count, dtype, redop,
+                               root, name, request, submit);
+}
+
+std::uint64_t elems(size_t count, collective_dtype_t dtype) {
+  return count * collective_dtype_size(dtype);
+}
+
+}  // namespace
+}  // namespace collectived::client
+
+extern "C" {
+
+collective_result_t collective_gpu_register(collective_client_t* client, const void* ptr,
+                                            uint64_t* handle) {
+  if (client == nullptr || ptr == nullptr) {
+    return fail(Code::invalid_argument, "collective_gpu_register: client and ptr must be set");
+  }
+  return guarded("collective_gpu_register", [&] {
+    auto s = gpu_state(client);
+    std::lock_guard lock(client->gpu_mutex);
+    cu::Context ctx = nullptr;
+    s->cu->cuPointerGetAttribute(&ctx, cu::kPointerAttributeContext,
+                                 reinterpret_cast<cu::DevicePtr>(ptr));
+    ScopedContext scope(*s->cu, ctx);
+    const Located l = locate_gpu(client, *s, ptr, 1, "GPU");
+    if (handle != nullptr) *handle = l.handle;
+  });
+}
+
+collective_result_t collective_gpu_deregister(collective_client_t* client, const void* ptr) {
+  if (client == nullptr || ptr == nullptr) {
+    return fail(Code::invalid_argument, "collective_gpu_deregister: client and ptr must be set");
+  }
+  return guarded("collective_gpu_deregister", [&] {
+    auto s = gpu_state(client);
+    std::uint64_t handle = 0;
+    {
+      std::lock_guard lock(client->gpu_mutex);
+      const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+      auto it = s->regs.upper_bound(addr);
+      if (it == s->regs.begin() || addr >= std::prev(it)->first + std::prev(it)->second.size) {
+        throw Error(Code::not_found, "no registered GPU allocation holds " + ptr_text(ptr));
+      }
+      --it;
+      handle = it->second.handle;
+      s->regs.erase(it);
+    }
+    deregister_handle(client, handle);
+  });
+}
+
+collective_result_t collective_all_reduce_stream(collective_comm_t* comm, const void* send,
+                                                 void* recv, size_t count,
+                                                 collective_dtype_t dtype,
+                                                 collective_redop_t redop, void* stream,
+                                                 collective_request_t** request) {
+  const std::uint64_t b = elems(count, dtype);
+  return stream_op(comm, wire::OpKind::ALL_REDUCE, send, b, recv, b, count, dtype, redop, 0,
+                   stream, "all_reduce", request);
+}
+
+collective_result_t collective_all_gather_stream(collective_comm_t* comm, const void* send,
+                                                 void* recv, size_t count,
+                                                 collective_dtype_t dtype, void* stream,
+                                                 collective_request_t** request) {
+  const std::uint64_t b = elems(count, dtype);
+  const std::uint64_t n = comm ? static_cast<std::uint64_t>(collective_comm_size(comm)) : 0;
+  return stream_op(comm, wire::OpKind::ALL_GATHER, send, b, recv, b * n, count, dtype,
+                   COLLECTIVE_SUM, 0, stream, "all_gather", request);
+}
+
+collective_result_t collective_reduce_scatter_stream(collective_comm_t* comm, const void* send,
+                                                     void* recv, size_t count,
+                                                     collective_dtype_t dtype,
+                                                     collective_redop_t redop, void* stream,
+                                                     collective_request_t** request) {
+  const std::uint64_t b = elems(count, dtype);
+  const std::uint64_t n = comm ? static_cast<std::uint64_t>(collective_comm_size(comm)) : 0;
+  return stream_op(comm, wire::OpKind::REDUCE_SCATTER, send, b * n, recv, b, count, dtype, redop,
+                   0, stream, "reduce_scatter", request);
+}
+
+collective_result_t collective_broadcast_stream(collective_comm_t* comm, const void* send,
+                                                void* recv, size_t count,
+                                                collective_dtype_t dtype, int root, void* stream,
+                                                collective_request_t** request) {
+  const std::uint64_t b = elems(count, dtype);
+  const bool is_root = comm != nullptr && collective_comm_rank(comm) == root;
+  return stream_op(comm, wire::OpKind::BROADCAST, send, is_root ? b : 0, recv, b, count, dtype,
+                   COLLECTIVE_SUM, root, stream, "broadcast", request);
+}
+
+collective_result_t collective_reduce_stream(collective_comm_t* comm, const void* send,
+                                             void* recv, size_t count, collective_dtype_t dtype,
+                                             collective_redop_t redop, int root, void* stream,
+                                             collective_request_t** request) {
+  const std::uint64_t b = elems(count, dtype);
+  const bool is_root = comm != nullptr && collective_comm_rank(comm) == root;
+  return stream_op(comm, wire::OpKind::REDUCE, send, b, recv, is_root ? b : 0, count, dtype, redop,
+                   root, stream, "reduce", request);
+}
+
+collective_result_t collective_all_to_all_stream(collective_comm_t* comm, const void* send,
+                                                 void* recv, size_t count,
+                                                 collective_dtype_t dtype, void* stream,
+                                                 collective_request_t** request) {
+  const std::uint64_t b = elems(count, dtype);
+  const std::uint64_t n = comm ? static_cast<std::uint64_t>(collective_comm_size(comm)) : 0;
+  return stream_op(comm, wire::OpKind::ALL_TO_ALL, send, b * n, recv, b * n, count, dtype,
+                   COLLECTIVE_SUM, 0, stream, "all_to_all", request);
+}
+
+collective_result_t collective_gpu_status(collective_client_t* client,
+                                          collective_gpu_status_t* out) {
+  if (client == nullptr || out == nullptr) {
+    return fail(Code::invalid_argument, "collective_gpu_status: client and out must be set");
+  }
+  return guarded("collective_gpu_status", [&] {
+    capnp::MallocMessageBuilder b;
+    b.initRoot<wire::Message>().initStatus();
+    auto reply = client->conn->call(b, {}, Clock::now() + kControlTimeout);
+    auto g = reply->message().getStatusReply().getGpu();
+    *out = collective_gpu_status_t{};
+    out->available = g.getAvailable() ? 1 : 0;
+    copy_text(out->reason, sizeof out->reason, g.getReason().cStr());
+    out->devices = g.getDevices().size();
+    for (unsigned i = 0; i < g.getDevices().size() && i < 8; ++i) {
+      copy_text(out->device_names[i], sizeof out->device_names[i], g.getDevices()[i].cStr());
+    }
+    copy_text(out->mps, sizeof out->mps, g.getMps().cStr());
+    copy_text(out->mps_reason, sizeof out->mps_reason, g.getMpsReason().cStr());
+    out->mappings = g.getMappings();
+    out->mapped_bytes = g.getMappedBytes();
+  });
+}
+
+}  // extern "C"

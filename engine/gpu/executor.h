@@ -1,0 +1,123 @@
+// The engine's view of GPUs: registration of client GPU memory and execution
+// of matched collectives on GPU buffers. No CUDA types here: the engine builds
+// without CUDA, and the daemon is handed an implementation (engine/gpu/runtime.cc
+// with CUDA, runtime_none.cc without) by main().
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/dtype.h"
+#include "engine/op.h"
+#include "engine/registry.h"
+#include "ipc/fd.h"
+
+namespace collectived::engine {
+class Logger;
+}
+
+namespace collectived::engine::gpu {
+
+/// How the client exported an allocation.
+enum class MemoryKind : std::uint8_t {
+  legacy_ipc = 0,  ///< cudaMalloc: cuIpcGetMemHandle of the allocation's base
+  posix_fd = 1,    ///< cuMemCreate (VMM): cuMemExportToShareableHandle, fd by SCM_RIGHTS
+  pool_fd = 2,     ///< cudaMallocAsync from a shareable pool: pool fd + exported pointer
+};
+
+/// One RegisterGpu request, as the daemon received it.
+struct GpuRegisterArgs {
+  MemoryKind kind = MemoryKind::legacy_ipc;
+  std::string handle;       ///< 64 bytes: IPC handle or pool pointer export data
+  std::uint64_t size = 0;   ///< bytes from the allocation's base
+  std::string device_uuid;  ///< 16 bytes
+  std::uint64_t buffer_id = 0;  ///< CU_POINTER_ATTRIBUTE_BUFFER_ID in the client
+  UniqueFd fd;              ///< posix_fd / pool_fd
+};
+
+/// One rank's stream hand-off for one operation (opened IPC event, flag
+/// word). Made by the executor from the request; the engine only carries it.
+/// Destroying one whose operation never ran on the GPU releases the client's
+/// stream anyway (its flag is written from the CPU), so that a failed or
+/// refused operation never leaves a client stream waiting forever.
+class RankSync {
+ public:
+  virtual ~RankSync() = default;
+  std::uint64_t send_buffer_id = 0;  ///< the client's buffer ids at submission (stale check)
+  std::uint64_t recv_buffer_id = 0;
+};
+
+/// The wire's GpuSync fields.
+struct GpuSyncArgs {
+  std::string event_handle;  ///< 64 bytes
+  std::uint32_t event_id = 0;
+  std::uint32_t flag_word = 0;
+  std::uint32_t ticket = 0;
+  std::uint32_t ready_word = 0;  ///< used when event_handle is empty
+  std::uint64_t send_buffer_id = 0;
+  std::uint64_t recv_buffer_id = 0;
+};
+
+/// A matched collective on GPU buffers, per rank by index.
+struct GpuCollective {
+  std::string comm;  ///< communicator name (messages, stream choice)
+  std::uint64_t seq = 0;
+  OpKind kind = OpKind::barrier;
+  DType dtype = DType::uint8;
+  RedOp redop = RedOp::sum;
+  std::uint64_t count = 0;
+  int root = 0;
+  std::vector<Span> send, recv;
+  std::vector<std::shared_ptr<RankSync>> sync;
+};
+
+struct GpuStatus {
+  bool available = false;
+  std::string reason;                ///< why not, or the driver version
+  std::vector<std::string> devices;  ///< "0: NVIDIA H100 80GB HBM3 (GPU-xxxx)"
+  std::string mps;                   ///< managed | external | off
+  std::string mps_reason;
+  std::uint32_t mappings = 0;        ///< open client allocations
+  std::uint64_t mapped_bytes = 0;
+};
+
+class GpuExecutor {
+ public:
+  virtual ~GpuExecutor() = default;
+
+  virtual GpuStatus status() const = 0;
+
+  /// Opens (or finds in the cache) a client's allocation. Throws Error naming
+  /// the allocation kind and the reason.
+  virtual std::shared_ptr<DeviceMemory> open(std::uint64_t session, GpuRegisterArgs args) = 0;
+
+  /// Maps a client's flag page (memfd with F_SEAL_SHRINK): the words its
+  /// streams wait on. One per session; a second replaces the first.
+  virtual void attach_flags(std::uint64_t session, UniqueFd memfd, std::uint64_t bytes) = 0;
+
+  /// Opens the event (cached per session and event id) and binds the flag word.
+  virtual std::shared_ptr<RankSync> make_sync(std::uint64_t session, const GpuSyncArgs& args) = 0;
+
+  /// The session ended: drop its events and flag page (mappings are dropped
+  /// with their registrations).
+  virtual void client_gone(std::uint64_t session) = 0;
+
+  /// Enqueues `op` on the daemon's streams and returns; `done` runs once
+  /// (on the executor's completion thread) when the GPU finished it, with
+  /// Code::ok or the error. Called under the engine's lock, in each
+  /// communicator's order: must not block on the GPU.
+  virtual void run(GpuCollective op, std::function<void(Code, std::string)> done) = 0;
+};
+
+/// With CUDA: probes the driver and devices (never throws: without a GPU the
+/// executor answers every request with an error saying why). Without CUDA:
+/// an executor that says the daemon was built without it.
+struct GpuOptions {
+  std::string mps = "off";  ///< profile gpu.mps: managed | external | off
+};
+std::unique_ptr<GpuExecutor> make_gpu_executor(Logger& log, const GpuOptions& options);
+
+}  // namespace collectived::engine::gpu

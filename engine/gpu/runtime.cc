@@ -1,0 +1,870 @@
+// The GPU executor with CUDA: client allocations opened once and cached, the
+// clients' flag pages and interprocess events, pooled streams and events per
+// GPU, and collectives as kernels over the peer mappings (engine/gpu/kernels.cu).
+//
+// Stream hand-off for one operation (docs/gpu.md):
+//   client stream: ... producer ... | record IPC event E_r | wait flag[w_r] >= t_r | ...
+//   daemon streams: wait E_0..E_n-1 | kernels | join | write flag[w_r] = t_r for every rank
+// The client's wait is enqueued at submission, before the daemon has done anything:
+// a stream memory operation on a word of a shared page, not an event, because
+// cuStreamWaitEvent waits for the event's most recent record at the time of the
+// call, and the daemon records nothing until every rank has submitted.
+#include <cuda_runtime_api.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "engine/gpu/cuda_driver.h"
+#include "engine/gpu/executor.h"
+#include "engine/gpu/kernels.h"
+#include "engine/gpu/mps.h"
+#include "engine/host_mapping.h"
+#include "engine/log.h"
+
+namespace collectived::engine::gpu {
+
+using collectived::gpu::CudaDriver;
+namespace cu = collectived::gpu::cu;
+using kernels::CopyLaunch;
+using kernels::kMaxKernelPointers;
+using kernels::ReduceLaunch;
+
+namespace {
+
+void check_rt(cudaError_t e, const std::string& what) {
+  if (e != cudaSuccess) {
+    throw Error(Code::system, what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+  }
+}
+
+std::string hex(const std::string& bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) {
+    out += digits[c >> 4];
+    out += digits[c & 15];
+  }
+  return out;
+}
+
+constexpr int kStreamsPerDevice = 4;
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' && std::string(v) != "0";
+}
+
+std::uint64_t env_bytes(const char* name, std::uint64_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  return std::strtoull(v, nullptr, 10);
+}
+
+/// A client allocation opened in the daemon. Shared by every registration
+/// of the same allocation (legacy IPC handles are cached by handle bytes).
+class Mapping {
+ public:
+  virtual ~Mapping() {
+    if (counter) *counter -= 1;
+  }
+  std::shared_ptr<std::atomic<std::uint32_t>> counter;  // open mappings, for status
+  std::byte* ptr = nullptr;
+  std::uint64_t size = 0;
+  int device = 0;
+  virtual std::byte* ptr_on(int dev) { (void)dev; return ptr; }
+};
+
+// A legacy IPC handle maps the memory into the address space of the context
+// that opens it (the peer mapping of the owning GPU does not cover other
+// GPUs' contexts), so it is opened once per GPU that runs kernels on it.
+class LegacyIpcMapping final : public Mapping {
+ public:
+  cudaIpcMemHandle_t handle{};
+  ~LegacyIpcMapping() override {
+    for (auto& [dev, p] : opened_) {
+      cudaSetDevice(dev);
+      cudaIpcCloseMemHandle(p);
+    }
+  }
+  void open_first() {
+    ptr = open_on(device);
+  }
+  std::byte* ptr_on(int dev) override {
+    std::lock_guard lock(mu_);
+    auto it = opened_.find(dev);
+    return it != opened_.end() ? it->second : open_on(dev);
+  }
+
+ private:
+  std::byte* open_on(int dev) {
+    cudaSetDevice(dev);
+    void* p = nullptr;
+    check_rt(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess),
+             "cudaMalloc memory: cudaIpcOpenMemHandle on GPU " + std::to_string(dev));
+    opened_[dev] = static_cast<std::byte*>(p);
+    return static_cast<std::byte*>(p);
+  }
+  std::mutex mu_;
+  std::map<int, std::byte*> opened_;
+};
+
+class VmmMapping final : public Mapping {
+ public:
+  explicit VmmMapping(std::shared_ptr<const CudaDriver> cu) : cu_(std::move(cu)) {}
+  ~VmmMapping() override {
+    if (mapped) cu_->cuMemUnmap(reinterpret_cast<cu::DevicePtr>(ptr), size);
+    if (reserved) cu_->cuMemAddressFree(reinterpret_cast<cu::DevicePtr>(ptr), size);
+  }
+  bool mapped = false, reserved = false;
+
+ private:
+  std::shared_ptr<const CudaDriver> cu_;
+};
+
+class PoolMapping final : public Mapping {
+ public:
+  explicit PoolMapping(std::shared_ptr<const CudaDriver> cu) : cu_(std::move(cu)) {}
+  ~PoolMapping() override {
+    cudaSetDevice(device);
+    if (ptr != nullptr) cu_->cuMemFree(reinterpret_cast<cu::DevicePtr>(ptr));
+    if (pool != nullptr) cu_->cuMemPoolDestroy(pool);
+  }
+  cu::MemPool pool = nullptr;
+
+ private:
+  std::shared_ptr<const CudaDriver> cu_;
+};
+
+/// One registration's view: the shared mapping and the client's buffer id.
+class Registered final : public DeviceMemory {
+ public:
+  Registered(std::shared_ptr<Mapping> m, std::uint64_t id) : m_(std::move(m)), id_(id) {}
+  std::byte* data() const override { return m_->ptr; }
+  std::byte* data_on(int dev) const override { return m_->ptr_on(dev); }
+  std::uint64_t size() const override { return m_->size; }
+  int device() const override { return m_->device; }
+  std::uint64_t buffer_id() const override { return id_; }
+
+ private:
+  std::shared_ptr<Mapping> m_;
+  std::uint64_t id_;
+};
+
+/// A client's flag page: host memory shared by memfd, registered with CUDA in
+/// both processes; words written by the daemon's streams (or its CPU).
+struct FlagPage {
+  HostMapping mapping;
+  bool registered = false;
+  cu::DevicePtr device = 0;  // the page as the GPUs address it
+  ~FlagPage() {
+    if (registered) cudaHostUnregister(mapping.data());
+  }
+  std::uint32_t words() const { return static_cast<std::uint32_t>(mapping.size() / 4); }
+  std::atomic<std::uint32_t>* word(std::uint32_t i) const {
+    return reinterpret_cast<std::atomic<std::uint32_t>*>(mapping.data()) + i;
+  }
+};
+
+struct OpenedEvent {
+  std::string handle;
+  cudaEvent_t event = nullptr;
+  ~OpenedEvent() {
+    if (event != nullptr) cudaEventDestroy(event);
+  }
+};
+
+class Sync final : public RankSync {
+ public:
+  std::shared_ptr<FlagPage> flags;
+  std::shared_ptr<OpenedEvent> event;
+  std::uint32_t word = 0, ticket = 0;
+  std::uint32_t ready_word = 0;  // when there is no event: the client's stream writes it
+  std::uint64_t session = 0;
+  bool released = false;  // the flag write is enqueued on a daemon stream
+
+  /// The client died: let the daemon's streams past its input.
+  void release_ready() const {
+    auto* w = flags->word(ready_word);
+    std::uint32_t cur = w->load(std::memory_order_relaxed);
+    while (static_cast<std::int32_t>(ticket - cur) > 0 &&
+           !w->compare_exchange_weak(cur, ticket, std::memory_order_release)) {
+    }
+  }
+
+  ~Sync() override {
+    if (released || !flags) return;
+    // Never ran on the GPU (failed, refused, aborted): release the client's
+    // stream from here. Only ever move the word forward (wrap-aware).
+    auto* w = flags->word(word);
+    std::uint32_t cur = w->load(std::memory_order_relaxed);
+    while (static_cast<std::int32_t>(ticket - cur) > 0 &&
+           !w->compare_exchange_weak(cur, ticket, std::memory_order_release)) {
+    }
+  }
+};
+
+struct Session {
+  std::shared_ptr<FlagPage> flags;
+  std::map<std::uint32_t, std::shared_ptr<OpenedEvent>> events;
+};
+
+struct DeviceState {
+  int ordinal = 0;
+  std::string uuid;  // 16 bytes
+  std::string name;
+  int sms = 0;
+  cudaStream_t streams[kStreamsPerDevice] = {};
+  std::vector<cudaEvent_t> free_events;
+};
+
+struct Pending {
+  std::vector<std::pair<int, cudaEvent_t>> tails;  // (device, event): all streams' last work
+  std::vector<std::pair<int, cudaEvent_t>> events;  // to return to the pools
+  std::vector<std::shared_ptr<RankSync>> syncs;
+  std::vector<Span> spans;  // keep the mappings open until the GPU is done
+  std::function<void(Code, std::string)> done;
+  std::string failure;  // set when a client taking part died while it was queued
+};
+
+class CudaExecutor final : public GpuExecutor {
+ public:
+  CudaExecutor(Logger& log, const GpuOptions& options) : log_(log) {
+    status_.mps = options.mps;
+    mps_ = std::make_unique<MpsControl>(log, options.mps);
+    status_.mps_reason = mps_->reason();
+    try {
+      init();
+      status_.available = true;
+    } catch (const Error& e) {
+      status_.available = false;
+      status_.reason = e.what();
+      log_.info("gpu_unavailable", {{"reason", e.what()}});
+      return;
+    }
+    completer_ = std::thread([this] { complete_loop(); });
+  }
+
+  ~CudaExecutor() override {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (completer_.joinable()) completer_.join();
+    sessions_.clear();
+    for (auto& d : devices_) {
+      cudaSetDevice(d.ordinal);
+      for (auto s : d.streams) cudaStreamDestroy(s);
+      for (auto e : d.free_events) cudaEventDestroy(e);
+    }
+  }
+
+  GpuStatus status() const override {
+    std::lock_guard lock(mu_);
+    GpuStatus s = status_;
+    s.mappings = 0;
+    s.mapped_bytes = 0;
+    for (const auto& [k, w] : legacy_cache_) {
+      if (auto m = w.lock()) {
+        s.mappings += 1;
+        s.mapped_bytes += m->size;
+      }
+    }
+    s.mappings += other_mappings_->load();
+    return s;
+  }
+
+  std::shared_ptr<DeviceMemory> open(std::uint64_t session, GpuRegisterArgs a) override {
+    require();
+    (void)session;
+    const int dev = device_of(a.device_uuid);
+    std::shared_ptr<Mapping> m;
+    switch (a.kind) {
+      case MemoryKind::legacy_ipc: m = open_legacy(a, dev); break;
+      case MemoryKind::posix_fd: m = open_vmm(a, dev); break;
+      case MemoryKind::pool_fd: m = open_pool(a, dev); break;
+      default: throw Error(Code::invalid_argument, "unknown GPU memory kind");
+    }
+    return std::make_shared<Registered>(std::move(m), a.buffer_id);
+  }
+
+  void attach_flags(std::uint64_t session, UniqueFd memfd, std::uint64_t bytes) override {
+    require();
+    if (bytes < 4 || bytes > (1 << 20) || bytes % 4 != 0) {
+      throw Error(Code::invalid_argument, "flag page of " + std::to_string(bytes) +
+                                              " bytes (4 B .. 1 MiB, whole words)");
+    }
+    auto page = std::make_shared<FlagPage>();
+    page->mapping = HostMapping::map_memfd(std::move(memfd), bytes);
+    cudaSetDevice(devices_.front().ordinal);
+    check_rt(cudaHostRegister(page->mapping.data(), page->mapping.size(),
+                              cudaHostRegisterPortable | cudaHostRegisterMapped),
+             "cudaHostRegister of the client's flag page");
+    page->registered = true;
+    void* dptr = nullptr;
+    check_rt(cudaHostGetDevicePointer(&dptr, page->mapping.data(), 0),
+             "cudaHostGetDevicePointer of the client's flag page");
+    page->device = reinterpret_cast<cu::DevicePtr>(dptr);
+    std::lock_guard lock(mu_);
+    sessions_[session].flags = std::move(page);
+  }
+
+  std::shared_ptr<RankSync> make_sync(std::uint64_t session, const GpuSyncArgs& a) override {
+    require();
+    auto sync = std::make_shared<Sync>();
+    sync->send_buffer_id = a.send_buffer_id;
+    sync->recv_buffer_id = a.recv_buffer_id;
+    std::lock_guard lock(mu_);
+    Session& s = sessions_[session];
+    if (!s.flags) {
+      throw Error(Code::invalid_usage, "GPU operation before the client attached its flag page");
+    }
+    if (a.flag_word >= s.flags->words()) {
+      throw Error(Code::invalid_argument, "flag word " + std::to_string(a.flag_word) +
+                                              " outside the client's flag page");
+    }
+    // From here on the sync releases the client's stream if it is dropped.
+    sync->flags = s.flags;
+    sync->word = a.flag_word;
+    sync->ticket = a.ticket;
+    sync->session = session;
+    if (a.event_handle.empty()) {
+      // The client's stream marks its input ready on a flag word.
+      if (a.ready_word >= s.flags->words()) {
+        throw Error(Code::invalid_argument, "ready word " + std::to_string(a.ready_word) +
+                                                " outside the client's flag page");
+      }
+      sync->ready_word = a.ready_word;
+      return sync;
+    }
+    if (a.event_handle.size() != cu::kIpcHandleSize) {
+      throw Error(Code::invalid_argument, "IPC event handle of " +
+                                              std::to_string(a.event_handle.size()) + " bytes");
+    }
+    auto& ev = s.events[a.event_id];
+    if (!ev || ev->handle != a.event_handle) {
+      if (s.events.size() > 4096) {
+        throw Error(Code::resource_exhausted, "more than 4096 IPC events from one client");
+      }
+      auto opened = std::make_shared<OpenedEvent>();
+      opened->handle = a.event_handle;
+      cudaIpcEventHandle_t h;
+      std::memcpy(&h, a.event_handle.data(), sizeof h);
+      cudaSetDevice(devices_.front().ordinal);
+      check_rt(cudaIpcOpenEventHandle(&opened->event, h), "cudaIpcOpenEventHandle");
+      ev = std::move(opened);
+    }
+    sync->event = ev;
+    return sync;
+  }
+
+  void client_gone(std::uint64_t session) override {
+    std::lock_guard lock(mu_);
+    sessions_.erase(session);
+    // Operations of this client still queued on the GPUs: their input may
+    // never be marked ready. Mark it from here, so that the daemon's streams
+    // (and every other rank's stream behind them) go on, and fail them.
+    for (auto& p : pending_) {
+      for (auto& rs : p.syncs) {
+        auto* s = static_cast<Sync*>(rs.get());
+        if (s == nullptr || s->session != session) continue;
+        if (!s->event) s->release_ready();
+        if (p.failure.empty()) {
+          p.failure = "a rank's client (session " + std::to_string(session) +
+                      ") disconnected while the operation was queued on the GPU; its output is "
+                      "undefined";
+        }
+      }
+    }
+  }
+
+  void run(GpuCollective op, std::function<void(Code, std::string)> done) override {
+    require();
+    const int n = static_cast<int>(op.sync.size());
+    if (op.kind == OpKind::all_to_all) {
+      for (int r = 0; r < n; ++r) {
+        if (op.send[r].ptr != nullptr && op.send[r].ptr == op.recv[r].ptr) {
+          throw Error(Code::invalid_argument,
+                      "in-place all_to_all on GPU buffers is not supported (rank " +
+                          std::to_string(r) + "): use separate send and recv buffers");
+        }
+      }
+    }
+    std::vector<int> rank_dev(n, -1);
+    for (int r = 0; r < n; ++r) {
+      if (op.recv[r].reg) rank_dev[r] = op.recv[r].reg->device->device();
+      else if (op.send[r].reg) rank_dev[r] = op.send[r].reg->device->device();
+      if (!op.sync[r]) throw Error(Code::internal, "GPU operation without a stream hand-off");
+    }
+    // GPUs taking part, in rank order; the first is the lead.
+    std::vector<int> devs;
+    for (int d : rank_dev) {
+      if (d >= 0 && std::find(devs.begin(), devs.end(), d) == devs.end()) devs.push_back(d);
+    }
+    if (devs.empty()) devs.push_back(devices_.front().ordinal);
+    const std::uint64_t es = dtype_size(op.dtype);
+    const std::uint64_t bytes = op.count * es;
+    // Measured on 2 H200 under MPS (docs/gpu.md): one GPU doing everything wins
+    // up to ~8 MiB per rank for all-reduce, broadcast and reduce (the split
+    // costs a cross-GPU event hop, ~15-20 us); for the sharded operations the
+    // split (each GPU writing its own ranks' chunks) wins above ~1 MiB per rank.
+    const bool sharded = op.kind == OpKind::all_gather || op.kind == OpKind::reduce_scatter ||
+                         op.kind == OpKind::all_to_all;
+    const std::uint64_t limit = one_shot_env_ ? one_shot_bytes_ : sharded ? (1u << 20) : (8u << 20);
+    const bool one_shot = devs.size() == 1 || bytes <= limit;
+    const std::size_t slot = std::hash<std::string>{}(op.comm) % kStreamsPerDevice;
+
+    Pending p;
+    p.done = std::move(done);
+    for (auto& s : op.send) if (s.reg) p.spans.push_back(s);
+    for (auto& s : op.recv) if (s.reg) p.spans.push_back(s);
+    std::lock_guard lock(mu_);
+    auto take_event = [&](int dev) {
+      cudaSetDevice(dev);  // events belong to the GPU current at creation
+      DeviceState& d = devices_[dev];
+      cudaEvent_t e = nullptr;
+      if (!d.free_events.empty()) {
+        e = d.free_events.back();
+        d.free_events.pop_back();
+      } else {
+        check_rt(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+      }
+      p.events.emplace_back(dev, e);
+      return e;
+    };
+    auto stream_of = [&](int dev) { return devices_[dev].streams[slot]; };
+    const std::vector<int> exec = one_shot ? std::vector<int>{devs.front()} : devs;
+    // 1. Every executing stream waits for every rank's producer work. The
+    //    clients' events are opened in the first GPU's context, and only a
+    //    stream of that GPU waits on them (the driver crashed, SIGSEGV in
+    //    cuStreamWaitEvent, when a stream of another GPU waited on one); the
+    //    other GPUs wait on a local event recorded behind those waits.
+    const int front = devices_.front().ordinal;
+    cudaSetDevice(front);
+    for (int r = 0; r < n; ++r) {
+      auto* s = static_cast<Sync*>(op.sync[r].get());
+      if (s->event) {
+        check_rt(cudaStreamWaitEvent(stream_of(front), s->event->event, 0),
+                 "cudaStreamWaitEvent on rank " + std::to_string(r) + "'s event");
+      } else {
+        cu_->check(cu_->cuStreamWaitValue32(reinterpret_cast<cu::Stream>(stream_of(front)),
+                                            s->flags->device + 4 * static_cast<cu::DevicePtr>(s->ready_word),
+                                            s->ticket, cu::kStreamWaitValueGeq),
+                   "cuStreamWaitValue32 on rank " + std::to_string(r) + "'s ready word");
+      }
+    }
+    const bool gated = !(exec.size() == 1 && exec.front() == front);
+    if (gated) {
+      cudaEvent_t gate = take_event(front);
+      check_rt(cudaEventRecord(gate, stream_of(front)), "cudaEventRecord (gate)");
+      for (int dev : exec) {
+        if (dev == front) continue;
+        cudaSetDevice(dev);
+        check_rt(cudaStreamWaitEvent(stream_of(dev), gate, 0), "cudaStreamWaitEvent (gate)");
+      }
+      if (std::find(exec.begin(), exec.end(), front) == exec.end()) {
+        cudaSetDevice(front);
+        cudaEvent_t tail = take_event(front);
+        check_rt(cudaEventRecord(tail, stream_of(front)), "cudaEventRecord");
+        p.tails.emplace_back(front, tail);
+      }
+    }
+    debug_sync(exec, stream_of, "waiting for the ranks' events");
+    // 2. The work, each executing GPU its share.
+    for (std::size_t i = 0; i < exec.size(); ++i) {
+      cudaSetDevice(exec[i]);
+      enqueue_work(op, rank_dev, exec, i, stream_of(exec[i]));
+    }
+    debug_sync(exec, stream_of, "the kernels");
+    // 3. Join on the lead, release every rank's stream, and let the other
+    //    streams wait for the join (the next operation starts after this one).
+    const int lead = exec.front();
+    cudaSetDevice(lead);
+    for (std::size_t i = 1; i < exec.size(); ++i) {
+      cudaSetDevice(exec[i]);
+      cudaEvent_t e = take_event(exec[i]);
+      check_rt(cudaEventRecord(e, stream_of(exec[i])), "cudaEventRecord");
+      cudaSetDevice(lead);
+      check_rt(cudaStreamWaitEvent(stream_of(lead), e, 0), "cudaStreamWaitEvent");
+    }
+    for (int r = 0; r < n; ++r) {
+      auto* s = static_cast<Sync*>(op.sync[r].get());
+      const cu::DevicePtr word = s->flags->device + 4 * static_cast<cu::DevicePtr>(s->word);
+      cu_->check(cu_->cuStreamWriteValue32(reinterpret_cast<cu::Stream>(stream_of(lead)),
+                                           word, s->ticket, cu::kStreamWriteValueDefault),
+                 "cuStreamWriteValue32 (release rank " + std::to_string(r) + "'s stream)");
+      s->released = true;
+    }
+    debug_sync(exec, stream_of, "the join and the flag writes");
+    cudaEvent_t joined = take_event(lead);
+    check_rt(cudaEventRecord(joined, stream_of(lead)), "cudaEventRecord");
+    p.tails.emplace_back(lead, joined);
+    for (std::size_t i = 1; i < exec.size(); ++i) {
+      cudaSetDevice(exec[i]);
+      check_rt(cudaStreamWaitEvent(stream_of(exec[i]), joined, 0), "cudaStreamWaitEvent");
+      cudaEvent_t tail = take_event(exec[i]);
+      check_rt(cudaEventRecord(tail, stream_of(exec[i])), "cudaEventRecord");
+      p.tails.emplace_back(exec[i], tail);
+    }
+    p.syncs = std::move(op.sync);
+    pending_.push_back(std::move(p));
+    cv_.notify_one();
+  }
+
+ private:
+  /// COLLECTIVED_GPU_DEBUG_SYNC=1: synchronize after each step of an operation
+  /// and name the step that failed (diagnosis only: it blocks).
+  template <typename StreamOf>
+  void debug_sync(const std::vector<int>& exec, StreamOf&& stream_of, const char* step) {
+    if (!debug_sync_) return;
+    for (int dev : exec) {
+      cudaSetDevice(dev);
+      const cudaError_t e = cudaStreamSynchronize(stream_of(dev));
+      if (e != cudaSuccess) {
+        log_.error("gpu_debug_sync", {{"step", step}, {"device", dev}, {"error", cudaGetErrorString(e)}});
+        check_rt(e, std::string("GPU ") + std::to_string(dev) + ": " + step);
+      }
+    }
+    log_.info("gpu_debug_sync", {{"step", step}, {"ok", 1}});
+  }
+
+  void require() const {
+    if (!status_.available) throw Error(Code::unavailable, status_.reason);
+  }
+
+  void init() {
+    cu_ = CudaDriver::load();
+    int count = 0;
+    const cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess || count == 0) {
+      throw Error(Code::unavailable, std::string("no GPU: cudaGetDeviceCount: ") +
+                                         (e != cudaSuccess ? cudaGetErrorString(e) : "0 devices"));
+    }
+    for (int i = 0; i < count; ++i) {
+      cudaDeviceProp prop{};
+      check_rt(cudaGetDeviceProperties(&prop, i), "cudaGetDeviceProperties");
+      DeviceState d;
+      d.ordinal = i;
+      d.uuid.assign(prop.uuid.bytes, 16);
+      d.name = prop.name;
+      d.sms = prop.multiProcessorCount;
+      check_rt(cudaSetDevice(i), "cudaSetDevice");
+      for (auto& s : d.streams) {
+        check_rt(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+      }
+      for (int j = 0; j < count; ++j) {
+        int can = 0;
+        if (j != i && cudaDeviceCanAccessPeer(&can, i, j) == cudaSuccess && can) {
+          const cudaError_t pe = cudaDeviceEnablePeerAccess(j, 0);
+          if (pe != cudaSuccess && pe != cudaErrorPeerAccessAlreadyEnabled) {
+            check_rt(pe, "cudaDeviceEnablePeerAccess");
+          }
+          cudaGetLastError();
+        }
+      }
+      status_.devices.push_back(std::to_string(i) + ": " + d.name + " (GPU-" + hex(d.uuid) + ", " +
+                                std::to_string(prop.multiProcessorCount) + " SMs)");
+      devices_.push_back(std::move(d));
+    }
+    status_.reason = "CUDA driver API " + std::to_string(cu_->driver_version()) + ", " +
+                     std::to_string(count) + " GPU(s)";
+    log_.info("gpu_ready", {{"devices", count}, {"driver", cu_->driver_version()}, {"mps", status_.mps}});
+  }
+
+  int device_of(const std::string& uuid) const {
+    for (const auto& d : devices_) {
+      if (d.uuid == uuid) return d.ordinal;
+    }
+    throw Error(Code::invalid_argument,
+                "the client's GPU (GPU-" + hex(uuid) + ") is not one this daemon sees (" +
+                    std::to_string(devices_.size()) + " GPU(s); check CUDA_VISIBLE_DEVICES "
+                    "of the daemon)");
+  }
+
+  std::shared_ptr<Mapping> open_legacy(const GpuRegisterArgs& a, int dev) {
+    if (a.handle.size() != cu::kIpcHandleSize) {
+      throw Error(Code::invalid_argument, "cudaMalloc memory: IPC handle of " +
+                                              std::to_string(a.handle.size()) + " bytes");
+    }
+    std::lock_guard lock(mu_);
+    auto& slot = legacy_cache_[a.handle];
+    if (auto m = slot.lock()) {
+      if (m->size < a.size) {
+        throw Error(Code::invalid_argument, "cudaMalloc memory: registered size " +
+                                                std::to_string(a.size) + " exceeds the allocation");
+      }
+      return m;
+    }
+    auto m = std::make_shared<LegacyIpcMapping>();
+    std::memcpy(&m->handle, a.handle.data(), sizeof m->handle);
+    m->size = a.size;
+    m->device = dev;
+    m->open_first();
+    slot = m;
+    // Drop cache entries of closed mappings now and then.
+    if (legacy_cache_.size() > 1024) {
+      for (auto it = legacy_cache_.begin(); it != legacy_cache_.end();) {
+        it = it->second.expired() ? legacy_cache_.erase(it) : std::next(it);
+      }
+    }
+    return m;
+  }
+
+  std::shared_ptr<Mapping> open_vmm(GpuRegisterArgs& a, int dev) {
+    if (!a.fd) throw Error(Code::invalid_argument, "cuMemCreate memory: no descriptor came with it");
+    cudaSetDevice(dev);
+    cu::GenericAllocationHandle h = 0;
+    cu_->check(cu_->cuMemImportFromShareableHandle(
+                   &h, reinterpret_cast<void*>(static_cast<std::intptr_t>(a.fd.get())),
+                   cu::kMemHandleTypePosixFd),
+               "cuMemCreate memory: cuMemImportFromShareableHandle");
+    auto m = std::make_shared<VmmMapping>(cu_);
+    m->device = dev;
+    m->size = a.size;
+    struct Release {
+      const CudaDriver& cu;
+      cu::GenericAllocationHandle h;
+      ~Release() { cu.cuMemRelease(h); }  // the mapping holds the memory from now on
+    } release{*cu_, h};
+    cu::DevicePtr va = 0;
+    cu_->check(cu_->cuMemAddressReserve(&va, a.size, 0, 0, 0), "cuMemCreate memory: cuMemAddressReserve");
+    m->ptr = reinterpret_cast<std::byte*>(va);
+    m->reserved = true;
+    cu_->check(cu_->cuMemMap(va, a.size, 0, h, 0), "cuMemCreate memory: cuMemMap");
+    m->mapped = true;
+    std::vector<cu::MemAccessDesc> access;
+    for (const auto& d : devices_) {
+      int can = d.ordinal == dev;
+      if (!can) cudaDeviceCanAccessPeer(&can, d.ordinal, dev);
+      if (can) access.push_back({{cu::kMemLocationTypeDevice, d.ordinal}, cu::kMemAccessFlagsProtReadWrite});
+    }
+    cu_->check(cu_->cuMemSetAccess(va, a.size, access.data(), access.size()),
+               "cuMemCreate memory: cuMemSetAccess");
+    *other_mappings_ += 1;
+    m->counter = other_mappings_;
+    return m;
+  }
+
+  std::shared_ptr<Mapping> open_pool(GpuRegisterArgs& a, int dev) {
+    if (!a.fd) throw Error(Code::invalid_argument, "cudaMallocAsync memory: no pool descriptor came with it");
+    if (a.handle.size() != sizeof(cu::MemPoolPtrExportData)) {
+      throw Error(Code::invalid_argument, "cudaMallocAsync memory: pointer export data of " +
+                                              std::to_string(a.handle.size()) + " bytes");
+    }
+    cudaSetDevice(dev);
+    auto m = std::make_shared<PoolMapping>(cu_);
+    m->device = dev;
+    m->size = a.size;
+    cu_->check(cu_->cuMemPoolImportFromShareableHandle(
+                   &m->pool, reinterpret_cast<void*>(static_cast<std::intptr_t>(a.fd.get())),
+                   cu::kMemHandleTypePosixFd, 0),
+               "cudaMallocAsync memory: cuMemPoolImportFromShareableHandle");
+    cu::MemPoolPtrExportData data;
+    std::memcpy(&data, a.handle.data(), sizeof data);
+    cu::DevicePtr p = 0;
+    cu_->check(cu_->cuMemPoolImportPointer(&p, m->pool, &data),
+               "cudaMallocAsync memory: cuMemPoolImportPointer");
+    m->ptr = reinterpret_cast<std::byte*>(p);
+    *other_mappings_ += 1;
+    m->counter = other_mappings_;
+    return m;
+  }
+
+  /// Enqueues executing GPU exec[i]'s share of `op` on `stream`.
+  void enqueue_work(const GpuCollective& op, const std::vector<int>& rank_dev,
+                    const std::vector<int>& exec, std::size_t i, cudaStream_t stream) {
+    const int n = static_cast<int>(op.send.size());
+    const int dev = exec[i];
+    const int blocks = devices_[dev].sms * 4;
+    const std::uint64_t es = dtype_size(op.dtype);
+    const bool split = exec.size() > 1;
+    // Element range [lo, hi) of `total` this GPU computes (split: equal shares
+    // on 256-element boundaries, so that 16-byte vectors stay aligned).
+    auto share = [&](std::uint64_t total) {
+      if (!split) return std::pair<std::uint64_t, std::uint64_t>{0, total};
+      const std::uint64_t unit = 256;
+      const std::uint64_t units = (total + unit - 1) / unit;
+      const std::uint64_t per = (units + exec.size() - 1) / exec.size();
+      const std::uint64_t lo = std::min(total, per * unit * i);
+      const std::uint64_t hi = std::min(total, per * unit * (i + 1));
+      return std::pair{lo, hi};
+    };
+    // Copies: split GPUs write their own ranks' outputs (reading peers over NVLink).
+    auto mine = [&](int r) { return !split || rank_dev[r] == dev; };
+    // Every span as this GPU addresses it.
+    std::vector<std::byte*> send(n, nullptr), recv(n, nullptr);
+    for (int r = 0; r < n; ++r) {
+      auto at = [&](const Span& sp) -> std::byte* {
+        if (!sp.reg) return nullptr;
+        return sp.reg->device->data_on(dev) + (sp.ptr - sp.reg->device->data());
+      };
+      send[r] = at(op.send[r]);
+      recv[r] = at(op.recv[r]);
+    }
+    auto reduce = [&](std::vector<const std::byte*> srcs, std::vector<std::byte*> dsts,
+                      std::uint64_t count, bool whole = false) {
+      auto [lo, hi] = whole ? std::pair<std::uint64_t, std::uint64_t>{0, count} : share(count);
+      if (hi <= lo) return;
+      ReduceLaunch a{};
+      a.nsrc = static_cast<int>(srcs.size());
+      a.ndst = static_cast<int>(dsts.size());
+      if (a.nsrc > kMaxKernelPointers || a.ndst > kMaxKernelPointers) {
+        throw Error(Code::invalid_argument, "more than 64 ranks in a GPU collective");
+      }
+      for (int s = 0; s < a.nsrc; ++s) a.src[s] = srcs[s] + lo * es;
+      for (int d = 0; d < a.ndst; ++d) a.dst[d] = dsts[d] + lo * es;
+      a.count = hi - lo;
+      a.avg_divisor = static_cast<std::uint32_t>(n);
+      check_rt(kernels::launch_reduce(static_cast<kernels::DType>(op.dtype),
+                                       static_cast<kernels::RedOp>(op.redop), a, blocks, stream),
+               "reduction kernel");
+    };
+    std::vector<std::pair<const std::byte*, std::byte*>> pairs;
+    const std::uint64_t one = op.count * es;
+    switch (op.kind) {
+      case OpKind::all_reduce: {
+        std::vector<const std::byte*> srcs;
+        std::vector<std::byte*> dsts;
+        for (int r = 0; r < n; ++r) {
+          srcs.push_back(send[r]);
+          dsts.push_back(recv[r]);
+        }
+        reduce(srcs, dsts, op.count);
+        break;
+      }
+      case OpKind::reduce: {
+        // The root's GPU pulls every input and writes locally.
+        if (!mine(op.root)) break;
+        std::vector<const std::byte*> srcs;
+        for (int r = 0; r < n; ++r) srcs.push_back(send[r]);
+        reduce(srcs, {recv[op.root]}, op.count, /*whole=*/true);
+        break;
+      }
+      case OpKind::reduce_scatter: {
+        // Rank j's chunk is computed by rank j's GPU (pulling the inputs over
+        // NVLink, writing locally); in place (recv == send + j*count) each
+        // element is read from every source before it is written.
+        for (int j = 0; j < n; ++j) {
+          if (!mine(j)) continue;
+          std::vector<const std::byte*> srcs;
+          for (int r = 0; r < n; ++r) srcs.push_back(send[r] + j * one);
+          reduce(srcs, {recv[j]}, op.count, /*whole=*/true);
+        }
+        break;
+      }
+      case OpKind::all_gather:
+        for (int r = 0; r < n; ++r) {
+          if (!mine(r)) continue;
+          for (int j = 0; j < n; ++j) {
+            std::byte* dst = recv[r] + j * one;
+            if (dst != send[j]) pairs.emplace_back(send[j], dst);
+          }
+        }
+        break;
+      case OpKind::broadcast:
+        for (int r = 0; r < n; ++r) {
+          if (!mine(r)) continue;
+          if (recv[r] != send[op.root]) pairs.emplace_back(send[op.root], recv[r]);
+        }
+        break;
+      case OpKind::all_to_all:
+        for (int r = 0; r < n; ++r) {
+          if (!mine(r)) continue;
+          for (int j = 0; j < n; ++j) {
+            pairs.emplace_back(send[j] + r * one, recv[r] + j * one);
+          }
+        }
+        break;
+      default:
+        throw Error(Code::invalid_argument,
+                    std::string(to_string(op.kind)) + " does not run on GPU buffers");
+    }
+    for (std::size_t k = 0; k < pairs.size(); k += kMaxKernelPointers) {
+      CopyLaunch c{};
+      c.n = static_cast<int>(std::min<std::size_t>(kMaxKernelPointers, pairs.size() - k));
+      for (int x = 0; x < c.n; ++x) {
+        c.src[x] = pairs[k + x].first;
+        c.dst[x] = pairs[k + x].second;
+      }
+      c.bytes = one;
+      check_rt(kernels::launch_copy(c, blocks, stream), "copy kernel");
+    }
+  }
+
+  void complete_loop() {
+    for (;;) {
+      std::vector<std::pair<int, cudaEvent_t>> tails;
+      {
+        std::unique_lock lock(mu_);
+        cv_.wait(lock, [&] { return stopping_ || !pending_.empty(); });
+        if (pending_.empty()) return;
+        // The operation stays in pending_ while it is waited for, so that
+        // client_gone() can still release a dead client's input of it.
+        tails = pending_.front().tails;
+      }
+      Code code = Code::ok;
+      std::string message;
+      for (auto& [dev, e] : tails) {
+        const cudaError_t r = cudaEventSynchronize(e);
+        if (r != cudaSuccess && code == Code::ok) {
+          code = Code::system;
+          message = std::string("GPU ") + std::to_string(dev) + ": " + cudaGetErrorName(r) + " (" +
+                    cudaGetErrorString(r) + ")";
+        }
+      }
+      Pending p;
+      {
+        std::lock_guard lock(mu_);
+        p = std::move(pending_.front());
+        pending_.pop_front();
+        if (!p.failure.empty() && code == Code::ok) {
+          code = Code::remote;
+          message = p.failure;
+        }
+      }
+      p.spans.clear();
+      p.syncs.clear();
+      {
+        std::lock_guard lock(mu_);
+        for (auto& [dev, e] : p.events) devices_[dev].free_events.push_back(e);
+      }
+      if (p.done) p.done(code, message);
+    }
+  }
+
+  Logger& log_;
+  const bool debug_sync_ = env_flag("COLLECTIVED_GPU_DEBUG_SYNC");
+  // Bytes per rank up to which one GPU runs the whole operation (one-shot);
+  // above, every GPU computes its share. COLLECTIVED_GPU_ONE_SHOT_BYTES overrides.
+  const std::uint64_t one_shot_bytes_ = env_bytes("COLLECTIVED_GPU_ONE_SHOT_BYTES", 0);
+  const bool one_shot_env_ = one_shot_bytes_ != 0;
+  std::shared_ptr<CudaDriver> cu_;  // mappings hold it too: they may outlive the executor
+  std::unique_ptr<MpsControl> mps_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  GpuStatus status_;
+  std::vector<DeviceState> devices_;
+  std::map<std::string, std::weak_ptr<Mapping>> legacy_cache_;
+  std::shared_ptr<std::atomic<std::uint32_t>> other_mappings_ =
+      std::make_shared<std::atomic<std::uint32_t>>(0);
+  std::map<std::uint64_t, Session> sessions_;
+  std::deque<Pending> pending_;
+  std::thread completer_;
+};
+
+}  // namespace
+
+std::unique_ptr<GpuExecutor> make_gpu_executor(Logger& log, const GpuOptions& options) {
+  return std::make_unique<CudaExecutor>(log, options);
+}
+
+}  // namespace collectived::engine::gpu
