@@ -1,6 +1,11 @@
 # Warnings for our own targets (not third-party headers, which are SYSTEM).
 function(collectived_warnings target)
-  target_compile_options(${target} PRIVATE -Wall -Wextra -Wshadow=local -Wnon-virtual-dtor)
+  target_compile_options(${target} PRIVATE -Wall -Wextra -Wnon-virtual-dtor)
+  if(CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
+    target_compile_options(${target} PRIVATE -Wshadow-uncaptured-local)  # fuzz builds
+  else()
+    target_compile_options(${target} PRIVATE -Wshadow=local)
+  endif()
   if(COLLECTIVED_WERROR)
     target_compile_options(${target} PRIVATE -Werror)
   endif()

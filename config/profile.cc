@@ -17,7 +17,10 @@
 #include <span>
 #include <utility>
 
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
+
+#include <sstream>
 
 namespace collectived::config {
 
@@ -680,21 +683,61 @@ void apply_map(const YAML::Node& map, const std::string& prefix, Profile& profil
   }
 }
 
+// Where each document of a YAML stream starts, from the parser's events.
+class DocumentStarts final : public YAML::EventHandler {
+ public:
+  std::vector<YAML::Mark> starts;
+  void OnDocumentStart(const YAML::Mark& mark) override { starts.push_back(mark); }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t, const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                       YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                  YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+};
+
+// YAML::LoadAll, without its endless loop: yaml-cpp 0.7 (Debian 12) starts a
+// new empty document at the same place forever on a stray flow indicator at
+// the top (",a"), growing memory until the process dies (found by
+// tests/fuzz/profile_fuzz). The stream is walked once for document starts,
+// at most two (one is all a profile may have); a document that starts where
+// the previous one did is a syntax error there.
+std::vector<YAML::Node> load_documents(const Context& layer, std::string_view text) {
+  std::stringstream in{std::string(text)};
+  YAML::Parser parser(in);
+  DocumentStarts events;
+  while (events.starts.size() < 2 && parser.HandleNextDocument(events)) {
+  }
+  if (events.starts.empty()) return {};
+  if (events.starts.size() == 2 && events.starts[1].pos == events.starts[0].pos) {
+    const auto& mark = events.starts[1];
+    const char c = static_cast<std::size_t>(mark.pos) < text.size() ? text[mark.pos] : ' ';
+    layer.fail_at(mark, std::string("unexpected '") + c + "': not the start of a key, a value or a document");
+  }
+  if (events.starts.size() == 2) {
+    Context at = layer;
+    at.path = "(document)";
+    at.fail_at(events.starts[1], "expected one YAML document, got more");
+  }
+  return {YAML::Load(std::string(text))};
+}
+
 // Parses and applies one YAML document; returns the paths (keys and sections) it set.
 std::set<std::string> apply_text(Profile& profile, std::string_view source, std::string_view text) {
   Context layer{std::string(source), "(syntax)"};
   std::vector<YAML::Node> documents;
   try {
-    documents = YAML::LoadAll(std::string(text));
+    documents = load_documents(layer, text);
   } catch (const YAML::Exception& e) {
     layer.fail_at(e.mark, e.msg);
   }
   std::set<std::string> applied;
   if (documents.empty()) return applied;
   layer.path = "(document)";
-  if (documents.size() > 1) {
-    layer.fail(documents[1], "expected one YAML document, got " + std::to_string(documents.size()));
-  }
   const YAML::Node& root = documents.front();
   if (root.IsNull()) return applied;
   if (!root.IsMap())

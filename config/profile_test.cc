@@ -506,3 +506,19 @@ log: {level: trace}
     check_equal(cfg::load_profile_text("x", yaml, {}), p);
   }
 }
+
+TEST_CASE("a stray flow indicator at the top is a syntax error, not an endless parse") {
+  // yaml-cpp 0.7's LoadAll loops forever (and grows memory) on ",a"; found by
+  // tests/fuzz/profile_fuzz.
+  for (const char* text : {",a", ",e ye\\crepee r ok`ct 3\n", "a: 1\n,b\n"}) {
+    CAPTURE(text);
+    CHECK_THROWS_AS(cfg::load_profile_text("f.yaml", text, {}), cfg::ProfileError);
+  }
+  try {
+    cfg::load_profile_text("f.yaml", "client:\n  socket: /tmp/a.sock\n---\nlog:\n  level: debug\n", {});
+    FAIL("two documents were accepted");
+  } catch (const cfg::ProfileError& e) {
+    CHECK(std::string(e.what()).find("expected one YAML document") != std::string::npos);
+    CHECK(e.line() == 3);
+  }
+}

@@ -192,9 +192,10 @@ void Engine::p2p_group(const ClientRef& client, std::uint64_t request, std::uint
                        const std::vector<P2PArgs>& items) {
   Impl& I = *impl_;
   I.locked([&](std::vector<Delivery>& out, std::vector<std::function<void()>>& tasks) {
-    auto [cp, rank] = I.resolve_or_answer(client, request, handle, "send/recv group", out);
+    auto [cp, rank_] = I.resolve_or_answer(client, request, handle, "send/recv group", out);
     if (!cp) return;
     Comm& comm = *cp;
+    const auto rank = rank_;  // a structured binding cannot be captured before clang 16
     auto fail = [&](Code code, const std::string& why) {
       out.push_back({client.sink, request,
                      I.error(code, "send/recv group on " + comm.where(rank) + ": " + why)});

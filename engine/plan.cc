@@ -60,7 +60,8 @@ std::vector<std::function<void()>> finish(std::vector<std::function<void()>> bod
 void add_copies(std::vector<std::function<void()>>& bodies, std::byte* dst, const std::byte* src,
                 std::uint64_t bytes, std::size_t workers) {
   if (dst == src || bytes == 0) return;
-  for (auto [b, e] : split(bytes, 1, workers)) {
+  for (const auto& range : split(bytes, 1, workers)) {
+    const std::uint64_t b = range.first, e = range.second;
     bodies.push_back([dst, src, b, e] { std::memcpy(dst + b, src + b, e - b); });
   }
 }
@@ -101,7 +102,8 @@ std::vector<std::function<void()>> plan_collective(CollectivePlanInput in, std::
         dsts.push_back(p.recv[p.root].ptr);
       }
       const auto srcs = ptrs(p.send, 0);
-      for (auto [b, e] : split(count, es, workers)) {
+      for (const auto& range : split(count, es, workers)) {
+        const std::uint64_t b = range.first, e = range.second;
         bodies.push_back([=, &p] {
           std::vector<void*> d;
           std::vector<const void*> s;
@@ -115,7 +117,8 @@ std::vector<std::function<void()>> plan_collective(CollectivePlanInput in, std::
     case OpKind::reduce_scatter: {
       // Rank r's result is the reduction of block r of every rank's input.
       for (std::size_t r = 0; r < n; ++r) {
-        for (auto [b, e] : split(count, es, std::max<std::size_t>(1, workers / n))) {
+        for (const auto& range : split(count, es, std::max<std::size_t>(1, workers / n))) {
+          const std::uint64_t b = range.first, e = range.second;
           bodies.push_back([=, &p] {
             std::vector<const void*> s;
             for (const auto& span : p.send) s.push_back(span.ptr + (r * count + b) * es);

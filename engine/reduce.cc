@@ -20,6 +20,7 @@
 // depend on -ffast-math, which would change results.
 #include "engine/reduce.h"
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -376,7 +377,9 @@ constexpr OpTable kF16c = {&kernel_f16c<RedOp::sum>, &kernel_f16c<RedOp::prod>,
 ReduceIsa best_isa() {
   __builtin_cpu_init();
   if (!__builtin_cpu_supports("avx2")) return ReduceIsa::sse2;
-  if (!__builtin_cpu_supports("f16c")) return ReduceIsa::avx2;
+  // cpuid leaf 1, ecx bit 29 (clang before 16 has no "f16c" for __builtin_cpu_supports).
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || (ecx & bit_F16C) == 0) return ReduceIsa::avx2;
   return ReduceIsa::avx2_f16c;
 }
 
