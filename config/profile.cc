@@ -323,6 +323,33 @@ std::optional<std::uint32_t> port_after_colon(std::string_view text, std::size_t
   return port;
 }
 
+// "" (off), "host:port" with an IP literal ("[v6]:port"), or an absolute socket path.
+std::string as_listen_address(const YAML::Node& node, const Context& ctx) {
+  std::string text = as_string(node, ctx);
+  if (text.empty()) return text;
+  if (text.front() == '/') {
+    constexpr std::size_t kMax = sizeof(sockaddr_un{}.sun_path);
+    if (text.size() >= kMax) {
+      ctx.fail(node, "is " + std::to_string(text.size()) + " bytes; a Unix socket path must be " +
+                         "under " + std::to_string(kMax));
+    }
+    return text;
+  }
+  const std::size_t colon = text.rfind(':');
+  std::string host = colon == std::string::npos ? std::string() : text.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  unsigned char buffer[sizeof(in6_addr)];
+  if (colon == std::string::npos || !port_after_colon(text, colon, 0, 65535) ||
+      (inet_pton(AF_INET, host.c_str(), buffer) != 1 &&
+       inet_pton(AF_INET6, host.c_str(), buffer) != 1)) {
+    ctx.fail(node, "expected \"\" (off), \"ADDRESS:PORT\" with an IP address (\"[v6]:port\") "
+                   "or an absolute Unix socket path, got " + quoted(text));
+  }
+  return text;
+}
+
 std::vector<std::string> as_peer_list(const YAML::Node& node, const Context& ctx) {
   std::vector<std::string> out;
   for_each_item(node, ctx, [&](const YAML::Node& item, const Context& c) {
@@ -563,6 +590,10 @@ constexpr std::array kSchema{
     Key{"log.level",
         [](N n, Profile& p, C c) { p.log.level = as_enum<LogLevel>(n, c, kLogLevels); },
         [](E e, P p) { e << std::string(to_string(p.log.level)); }, "least severe level logged"},
+
+    Key{"metrics.listen",
+        [](N n, Profile& p, C c) { p.metrics.listen = as_listen_address(n, c); },
+        [](E e, P p) { e << p.metrics.listen; }, "Prometheus endpoint; empty = off"},
 };
 
 const Key* find_key(std::string_view path) {

@@ -119,6 +119,12 @@ struct GpuSection {
   std::string mps = "off";  ///< managed | external | off (engine/gpu/mps.h)
 };
 
+struct MetricsSection {
+  /// Prometheus endpoint: "" (off), "host:port" ("[v6]:port") or an absolute
+  /// Unix socket path.
+  std::string listen;
+};
+
 /// The whole node profile.
 struct Profile {
   NodeSection node;
@@ -133,6 +139,7 @@ struct Profile {
   VerbsSection verbs;
   LogSection log;
   GpuSection gpu;
+  MetricsSection metrics;
 };
 
 /// The embedded default profile's text (the annotated systemd/collectived.yaml).

@@ -111,9 +111,9 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   const std::string text(cfg::default_profile_text());
   REQUIRE(!text.empty());
   const std::vector<std::string> keys = cfg::known_keys();
-  CHECK(keys.size() == 37);  // main's 36 + gpu.mps
+  CHECK(keys.size() == 38);  // main's 37 + metrics.listen
   CHECK(keys.front() == "node.name");
-  CHECK(keys.back() == "log.level");
+  CHECK(keys.back() == "metrics.listen");
   for (const std::string& key : keys) {
     const std::string leaf = key.substr(key.rfind('.') + 1);
     CHECK_MESSAGE((contains(text, "\n" + leaf + ":") || contains(text, " " + leaf + ":")), key);
@@ -445,6 +445,21 @@ TEST_CASE("client socket and mode") {
   const cfg::ProfileError e = text_error("client: {socket: " + at_limit + "x}");
   CHECK(e.key_path() == "client.socket");
   CHECK(contains(e.reason(), "108"));
+}
+
+TEST_CASE("metrics.listen: off, host:port or a Unix socket path") {
+  const auto listen = [](const std::string& value) {
+    return cfg::load_profile_text("t", "metrics: {listen: " + value + "}", {}).metrics.listen;
+  };
+  CHECK(cfg::default_profile().metrics.listen.empty());
+  CHECK(listen("\"\"").empty());
+  CHECK(listen("127.0.0.1:9464") == "127.0.0.1:9464");
+  CHECK(listen("\"[::1]:9464\"") == "[::1]:9464");
+  CHECK(listen("/run/collectived/metrics.sock") == "/run/collectived/metrics.sock");
+  CHECK(text_error("metrics: {listen: localhost:9464}").key_path() == "metrics.listen");
+  CHECK(contains(text_error("metrics: {listen: 127.0.0.1}").reason(), "ADDRESS:PORT"));
+  CHECK(contains(text_error("metrics: {listen: \"127.0.0.1:99999\"}").reason(), "ADDRESS:PORT"));
+  CHECK(contains(text_error("metrics: {listen: /" + std::string(120, 'm') + "}").reason(), "108"));
 }
 
 TEST_CASE("to_yaml round-trips a profile") {

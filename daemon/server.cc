@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "config/profile_diff.h"
+#include "daemon/comm_status.h"
 #include "ipc/error.h"
 #include "ipc/version.h"
 
@@ -38,8 +39,9 @@ std::string address_of(const config::Profile& p) {
          std::to_string(p.peer.port);
 }
 
-engine::EngineOptions engine_options(const config::Profile& p) {
+engine::EngineOptions engine_options(const config::Profile& p, engine::EngineObserver* observer) {
   engine::EngineOptions o;
+  o.observer = observer;
   o.node_name = p.node.name;
   o.rendezvous_address = address_of(p);
   o.operation_deadline = p.deadlines.operation;
@@ -98,7 +100,7 @@ Server::Server(config::Profile profile, ProfileSource source, engine::Logger& lo
       source_(std::move(source)),
       log_(logger),
       registry_(registry_limits(profile_)),
-      engine_(engine_options(profile_), registry_, log_),
+      engine_(engine_options(profile_, &metrics_), registry_, log_),
       gpu_(engine::gpu::make_gpu_executor(log_, engine::gpu::GpuOptions{profile_.gpu.mps})),
       // An idle poller keeps polling this long before it sleeps: a little
       // longer than a small collective's round trip through the clients.
@@ -109,6 +111,13 @@ Server::Server(config::Profile profile, ProfileSource source, engine::Logger& lo
       shutdown_timer_(io_),
       sweep_timer_(io_),
       peers_(io_, tcp::peer_options(profile_, kVersion), log_),
+      metrics_server_(io_, log_,
+                      [this] {
+                        capnp::MallocMessageBuilder b;
+                        auto status = b.initRoot<wire::StatusReply>();
+                        fill_status(status);
+                        return metrics_.render(status.asReader());
+                      }),
       started_(std::chrono::steady_clock::now()) {
   engine_.set_node_algorithms(node_algorithms(profile_));
   engine_.set_gpu_executor(gpu_.get());
@@ -165,6 +174,9 @@ void Server::listen() {
   }
   acceptor_.listen(asio::socket_base::max_listen_connections, bec);
   if (bec) throw Error(Code::system, "listen on " + path + ": " + bec.message());
+  if (!profile_.metrics.listen.empty()) {
+    metrics_server_.listen(profile_.metrics.listen, profile_.client.socket_mode);
+  }
 }
 
 std::string Server::rendezvous_address() const { return address_of(profile_); }
@@ -195,6 +207,7 @@ int Server::run() {
                           {"node", profile_.node.name},
                           {"version", kVersion},
                           {"pid", static_cast<long>(::getpid())},
+                          {"metrics", metrics_server_.address()},
                           {"profile", source_.file.empty() ? "<embedded default>" : source_.file}});
   notifier_.ready();
   io_.run();
@@ -261,16 +274,19 @@ void Server::on_accept(stream::socket socket) {
   };
   std::string why;
   if (!allowed(cred, socket.native_handle(), why)) {
+    metrics_.client_refused();
     refuse(Code::permission_denied, why, "client_refused");
     return;
   }
   if (sessions_.size() >= profile_.client.max_clients) {
+    metrics_.client_refused();
     refuse(Code::resource_exhausted,
            "the daemon already serves " + std::to_string(sessions_.size()) +
                " clients (client.max_clients)",
            "client_refused");
     return;
   }
+  metrics_.client_accepted();
   const std::uint64_t id = next_session_id_++;
   auto session = std::make_shared<ClientSession>(*this, std::move(socket), id, cred);
   sessions_.emplace(id, session);
@@ -335,6 +351,9 @@ void Server::fill_status(wire::StatusReply::Builder s) {
   gs.setMpsReason(g.mps_reason.c_str());
   gs.setMappings(g.mappings);
   gs.setMappedBytes(g.mapped_bytes);
+  fill_comm_status(engine_.snapshot(), s);
+  s.setMetricsAddress(metrics_server_.address().c_str());
+  s.setClientSocket(profile_.client.socket.c_str());
 }
 
 void Server::wait_signal() {
@@ -407,6 +426,7 @@ void Server::begin_shutdown(const std::string& reason) {
   }
   watchdog_timer_.cancel();
   sweep_timer_.cancel();
+  metrics_server_.close();
   // Every client learns why its session ends; work in flight fails with it.
   engine_.shutdown("collectived on node " + profile_.node.name + " is stopping (" + reason + ")");
   peers_.shutdown("collectived on node " + profile_.node.name + " is stopping (" + reason + ")");

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "config/profile.h"
+#include "daemon/metrics.h"
 #include "daemon/notify.h"
 #include "engine/transport/tcp/peer_manager.h"
 #include "engine/transport/tcp/peer_transport.h"
@@ -69,6 +70,7 @@ class Server final : public SessionHost {
   ProfileSource source_;
   engine::Logger& log_;
   Notifier notifier_;
+  Metrics metrics_;  // before engine_, which reports to it
   engine::Registry registry_;
   engine::Engine engine_;
   // After engine_: destroyed first, joining its completion thread (which
@@ -85,6 +87,7 @@ class Server final : public SessionHost {
   boost::asio::steady_timer sweep_timer_;
   PeerManager peers_;  // after io_: its sockets and timers live on it
   PeerTransport transport_{peers_};  // the engine's way to other nodes
+  MetricsServer metrics_server_;  // after io_, like peers_
   std::map<std::uint64_t, std::shared_ptr<ClientSession>> sessions_;
   std::uint64_t next_session_id_ = 1;
   bool stopping_ = false;

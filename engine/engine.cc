@@ -206,7 +206,8 @@ void Engine::p2p_group(const ClientRef& client, std::uint64_t request, std::uint
     g->rank = rank;
     g->request = request;
     g->sink = client.sink;
-    g->deadline = Clock::now() + I.options.operation_deadline;
+    g->created = Clock::now();
+    g->deadline = g->created + I.options.operation_deadline;
     try {
       for (std::size_t i = 0; i < items.size(); ++i) {
         const P2PArgs& a = items[i];
@@ -282,7 +283,12 @@ void Engine::client_gone(std::uint64_t session) {
       m.queue.clear();
       I.drop_member(comm, rank);
       if (comm.active_members() > 0) {
-        I.log.warn("rank_died", {{"comm", comm.name}, {"rank", rank}, {"pid", m.pid}});
+        I.log.warn("rank_died", {{"comm", comm.name},
+                                 {"rank", rank},
+                                 {"pid", m.pid},
+                                 {"node", I.options.node_name},
+                                 {"action", "the communicator is broken: see why the process "
+                                            "exited (its log, dmesg for the OOM killer)"}});
         I.break_comm(comm, Code::remote,
                      comm.who(rank) + (comm.spans_nodes() ? "" : " on node " + I.options.node_name) +
                          " disconnected (its process exited or was killed)",
@@ -315,7 +321,14 @@ void Engine::check_deadlines() {
                             std::to_string(rv.count) + " of " + std::to_string(rv.nranks) +
                             " ranks joined; missing ranks: " + rank_list(missing),
                         -1, out);
-      I.log.warn("rendezvous_timeout", {{"comm", rv.name}, {"missing", rank_list(missing)}});
+      I.log.warn("rendezvous_timeout",
+                 {{"comm", rv.name},
+                  {"node", I.options.node_name},
+                  {"joined", rv.count},
+                  {"nranks", rv.nranks},
+                  {"missing", rank_list(missing)},
+                  {"action", "start the missing ranks with the same unique id and nranks, or "
+                             "raise deadlines.rendezvous_ms if they start later"}});
       it = I.rendezvous.erase(it);
     }
     I.check_node_deadlines(now, out);
@@ -346,10 +359,17 @@ void Engine::check_deadlines() {
                 " ms (deadlines.operation_ms): every rank submitted it, but an earlier "
                 "operation of this communicator never finished";
         }
-        I.log.warn("operation_timeout", {{"comm", comm.name},
-                                         {"seq", slot.seq},
-                                         {"op", to_string(slot.desc.kind)},
-                                         {"missing_ranks", rank_list(missing)}});
+        I.log.warn("operation_timeout",
+                   {{"comm", comm.name},
+                    {"seq", slot.seq},
+                    {"op", to_string(slot.desc.kind)},
+                    {"node", I.options.node_name},
+                    {"missing_ranks", rank_list(missing)},
+                    {"missing", detail},
+                    {"action", missing.empty()
+                                   ? "an earlier operation of the communicator never finished"
+                                   : "look at what the missing ranks' processes do (py-spy dump "
+                                     "--pid PID, gdb -p PID); collectivectl status lists them"}});
         if (comm.spans_nodes()) I.send_slot_failed(comm, slot.seq, Code::timeout, why);
         I.fail_slot(comm, slot, Code::timeout, why, out);
         if (slot.arrived >= comm.local_count) {
@@ -413,6 +433,81 @@ EngineStats Engine::stats() const {
   s.completed = impl_->completed;
   s.worker_threads = static_cast<std::uint32_t>(impl_->pool.size());
   return s;
+}
+
+std::vector<CommSnapshot> Engine::snapshot() const {
+  const Impl& I = *impl_;
+  std::lock_guard lock(I.mu);
+  const auto now = Clock::now();
+  const auto age = [&](Clock::time_point since) {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(now - since);
+  };
+  std::vector<CommSnapshot> out;
+  for (const auto& cp : I.all_comms()) {
+    const Comm& comm = *cp;
+    CommSnapshot& c = out.emplace_back();
+    c.name = comm.name;
+    c.nranks = static_cast<std::uint32_t>(comm.nranks);
+    if (comm.broken) c.broken = comm.broken->message;
+    for (const Member& m : comm.members) {
+      c.ranks.push_back({static_cast<std::uint32_t>(m.rank), m.pid, m.session,
+                         comm.spans_nodes() ? comm.node_name[comm.node_of_rank[m.rank]]
+                                            : I.options.node_name,
+                         m.active, m.next_seq, m.remote});
+    }
+    for (const auto& [seq, slot] : comm.slots) {
+      if (slot.failed) continue;
+      OpSnapshot& op = c.ops.emplace_back();
+      op.seq = seq;
+      op.op = slot.has_desc ? slot.desc.str() : std::string(to_string(slot.desc.kind));
+      op.age = age(slot.created);
+      op.started = slot.started;
+      // Ranks of this node only: another node's ranks are that node's daemon's to name.
+      for (const Member& m : comm.members) {
+        if (!m.remote && m.next_seq <= seq) op.missing.push_back(static_cast<std::uint32_t>(m.rank));
+      }
+    }
+    // Operations other nodes already sent their part of while this node's
+    // ranks have not submitted them: the other nodes wait on these ranks.
+    if (comm.spans_nodes() && comm.inbox) {
+      std::map<std::uint64_t, OpSnapshot> waited;
+      for (const auto& [key, in] : comm.inbox->msgs) {
+        const std::uint64_t seq = std::get<0>(key);
+        if (comm.slots.count(seq) != 0 || comm.is_ended(seq)) continue;
+        const std::string node = comm.node_name[std::get<2>(key)];
+        auto [it, fresh] = waited.try_emplace(seq);
+        OpSnapshot& op = it->second;
+        if (fresh) {
+          op.seq = seq;
+          op.op = in.desc.str() + ", waited on by node " + node;
+          op.age = age(in.arrived);
+          for (const Member& m : comm.members) {
+            if (!m.remote && m.next_seq <= seq) op.missing.push_back(static_cast<std::uint32_t>(m.rank));
+          }
+        } else if (op.op.find(node) == std::string::npos) {
+          op.op += ", " + node;
+          op.age = std::max(op.age, age(in.arrived));
+        }
+      }
+      for (auto& [seq, op] : waited) c.ops.push_back(std::move(op));
+    }
+    for (const Member& m : comm.members) {
+      for (const Work& w : m.queue) {
+        if (w.type != Work::Type::group || w.group->answered) continue;
+        const Group& g = *w.group;
+        OpSnapshot& op = c.ops.emplace_back();
+        op.seq = g.seq;
+        op.op = "send/recv group";
+        op.age = age(g.created);
+        op.rank = g.rank;
+        for (const P2PItem& item : g.items) {
+          op.started = op.started || item.started;
+          if (!item.started) op.missing.push_back(static_cast<std::uint32_t>(item.peer));
+        }
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace collectived::engine

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "engine/log.h"
@@ -22,12 +23,26 @@ namespace gpu {
 class GpuExecutor;  // engine/gpu/executor.h
 }
 
+/// Told about every finished operation (daemon/metrics.h counts them). Called
+/// under the engine's lock, from the event loop or a worker: implementations
+/// must be cheap (atomics) and must not call back into the engine.
+class EngineObserver {
+ public:
+  virtual ~EngineObserver() = default;
+  /// `bytes`: the operation's size as nccl-tests counts it (all_gather and
+  /// all_to_all: the whole receive buffer of one rank; p2p: bytes sent);
+  /// `latency`: first submission to completion; `transport`: what moved it.
+  virtual void operation_finished(OpKind kind, Code code, std::uint64_t bytes,
+                                  Clock::duration latency, std::string_view transport) = 0;
+};
+
 struct EngineOptions {
   std::string node_name;
   std::string rendezvous_address;  ///< "host:port" of this daemon (unique ids name it)
   std::chrono::milliseconds operation_deadline{30000};
   std::chrono::milliseconds rendezvous_deadline{60000};
   std::size_t worker_threads = 0;  ///< 0: one per CPU
+  EngineObserver* observer = nullptr;  ///< metrics; outlives the engine
 };
 
 struct EngineStats {
@@ -35,6 +50,35 @@ struct EngineStats {
   std::uint32_t in_flight = 0;   ///< operations submitted and not yet answered
   std::uint64_t completed = 0;   ///< operations completed successfully
   std::uint32_t worker_threads = 0;
+};
+
+/// One rank of a communicator, for status (collectivectl status, comms).
+struct RankSnapshot {
+  std::uint32_t rank = 0;
+  pid_t pid = 0;
+  std::uint64_t session = 0;
+  std::string node;
+  bool active = true;         ///< false once left, aborted or dead
+  std::uint64_t next_seq = 0; ///< sequence number of its next collective (this node's ranks)
+  bool remote = false;        ///< on another node (its daemon shows its operations)
+};
+
+/// An operation submitted and not yet answered.
+struct OpSnapshot {
+  std::uint64_t seq = 0;
+  std::string op;                     ///< "all_reduce(count=..., dtype=...)"
+  std::chrono::milliseconds age{0};   ///< since its first submission
+  bool started = false;               ///< running (every rank arrived, at every queue head)
+  int rank = -1;                      ///< the owning rank of a send/recv group; -1: collective
+  std::vector<std::uint32_t> missing; ///< this node's ranks that have not submitted it (group: unmatched peers)
+};
+
+struct CommSnapshot {
+  std::string name;
+  std::uint32_t nranks = 0;
+  std::vector<RankSnapshot> ranks;
+  std::vector<OpSnapshot> ops;
+  std::string broken;  ///< why it can no longer run operations ("": healthy)
 };
 
 /// Thread-safe. Every request is answered exactly once through the caller's
@@ -73,6 +117,8 @@ class Engine {
   void shutdown(const std::string& reason);
 
   EngineStats stats() const;
+  /// Every communicator with its ranks and in-flight operations (status).
+  std::vector<CommSnapshot> snapshot() const;
 
   // ---- communicators that span nodes (engine_nodes.cc) ----
 

@@ -78,6 +78,7 @@ struct Slot {
   std::vector<Part> parts;
   int arrived = 0;  // ranks that submitted this seq (including failed submissions)
   Clock::time_point deadline;
+  Clock::time_point created;  // first submission (status, metrics)
   bool failed = false;
   Result failure;
   bool started = false;
@@ -103,6 +104,7 @@ struct Group {
   bool failed = false;
   bool answered = false;
   Clock::time_point deadline;
+  Clock::time_point created;  // submission (status, metrics)
 };
 
 struct Work {
@@ -132,6 +134,7 @@ struct NodeIn {
   int desc_rank = 0;
   std::uint64_t count = 0;  // p2p
   DType dtype = DType::uint8;
+  Clock::time_point arrived;  // status: how long other nodes have waited on this node
 };
 
 struct Inbox {
@@ -339,8 +342,36 @@ struct Engine::Impl {
     m.queue.erase(std::remove_if(m.queue.begin(), m.queue.end(), pred), m.queue.end());
   }
 
+  // ---- metrics (EngineOptions::observer) ----------------------------------------
+
+  void observe_slot(const Comm& comm, const Slot& slot, Code code) {
+    if (options.observer == nullptr) return;
+    const Desc& d = slot.desc;
+    std::uint64_t bytes = d.count * dtype_size(d.dtype);
+    if (d.kind == OpKind::all_gather || d.kind == OpKind::reduce_scatter ||
+        d.kind == OpKind::all_to_all) {
+      bytes *= static_cast<std::uint64_t>(comm.nranks);
+    } else if (d.kind == OpKind::barrier || d.kind == OpKind::split) {
+      bytes = 0;
+    }
+    // In-node operations are copies between clients; spanning ones use the peer links.
+    options.observer->operation_finished(d.kind, code, bytes, Clock::now() - slot.created,
+                                         comm.spans_nodes() ? "tcp" : "local");
+  }
+
+  void observe_group(const Comm& comm, const Group& g, Code code) {
+    if (options.observer == nullptr) return;
+    std::uint64_t bytes = 0;
+    for (const auto& item : g.items) {
+      if (item.is_send) bytes += item.count * dtype_size(item.dtype);
+    }
+    options.observer->operation_finished(OpKind::p2p, code, bytes, Clock::now() - g.created,
+                                         comm.spans_nodes() ? "tcp" : "local");
+  }
+
   void fail_slot(Comm& comm, Slot& slot, Code code, const std::string& reason,
                  std::vector<Delivery>& out) {
+    if (!slot.failed) observe_slot(comm, slot, code);
     slot.failed = true;
     slot.failure = error(code, reason, slot.seq);
     for (int r = 0; r < comm.nranks; ++r) {
@@ -363,6 +394,7 @@ struct Engine::Impl {
   void fail_group(Comm& comm, Group& g, Code code, const std::string& reason,
                   std::vector<Delivery>& out) {
     if (g.failed || g.answered) return;
+    observe_group(comm, g, code);
     g.failed = true;
     g.answered = true;
     out.push_back({g.sink, g.request,
@@ -692,6 +724,7 @@ struct Engine::Impl {
       out.push_back({part.sink, part.request, std::move(res)});
     }
     ++completed;
+    observe_slot(comm, slot, Code::ok);
     end_slot(comm, it);
   }
 
@@ -722,6 +755,7 @@ struct Engine::Impl {
     res.seq = g.seq;
     out.push_back({g.sink, g.request, std::move(res)});
     ++completed;
+    observe_group(comm, g, Code::ok);
     remove_work(comm.members[g.rank],
                 [&](const Work& w) { return w.type == Work::Type::group && w.group.get() == &g; });
   }
@@ -902,7 +936,8 @@ struct Engine::Impl {
       if (fresh) {
         slot.seq = seq;
         slot.parts.resize(comm.nranks);
-        slot.deadline = Clock::now() + options.operation_deadline;
+        slot.created = Clock::now();
+        slot.deadline = slot.created + options.operation_deadline;
       }
       slot.arrived += 1;
       if (slot.failed) {

@@ -952,6 +952,7 @@ void Engine::Impl::handle_node_message(const std::string& peer, std::vector<std:
       const std::uint64_t seq = dm.getSeq(), tag = dm.getTag(), index = dm.getIndex();
       const int from_node = static_cast<int>(dm.getFromNode());
       const int from_rank = static_cast<int>(dm.getFromRank()), to_rank = static_cast<int>(dm.getToRank());
+      item.arrived = Clock::now();
       item.payload.offset = d->raw_offset;
       item.payload.size = d->bytes.size() - d->raw_offset;
       item.payload.storage = std::move(d->bytes);
@@ -1002,7 +1003,8 @@ void Engine::Impl::handle_node_message(const std::string& peer, std::vector<std:
       if (fresh) {
         slot.seq = seq;
         slot.parts.resize(comm.nranks);
-        slot.deadline = Clock::now() + options.operation_deadline;
+        slot.created = Clock::now();
+        slot.deadline = slot.created + options.operation_deadline;
       }
       if (!slot.started && !slot.failed) {
         fail_slot(comm, slot, code, why, out);

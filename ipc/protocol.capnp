@@ -110,6 +110,38 @@ struct StatusReply {
   peers @16 :List(PeerInfo);     # other nodes' daemons known since start
   peerAddress @17 :Text;         # "host:port" peers reach this daemon at ("" = no listener)
   gpu @18 :GpuStatus;
+  comms @19 :List(CommStatus);   # communicators with ranks on this daemon, in-flight operations
+  metricsAddress @20 :Text;      # where the Prometheus endpoint listens ("" = off)
+  clientSocket @21 :Text;        # the socket clients connect to (client.socket)
+}
+
+# One communicator in StatusReply.comms (collectivectl status, comms).
+struct CommStatus {
+  name @0 :Text;
+  nranks @1 :UInt32;
+  ranks @2 :List(CommRank);
+  operations @3 :List(InFlightOp);
+  broken @4 :Text;               # why it can run no more operations ("" = healthy)
+}
+
+struct CommRank {
+  rank @0 :UInt32;
+  pid @1 :Int32;
+  sessionId @2 :UInt64;
+  node @3 :Text;
+  active @4 :Bool;               # false once it left, aborted or died
+  nextSeq @5 :UInt64;            # sequence number of its next collective (this node's ranks)
+  remote @6 :Bool;               # on another node: that node's daemon shows its operations
+}
+
+# An operation submitted and not yet answered: what a hang looks like.
+struct InFlightOp {
+  seq @0 :UInt64;
+  op @1 :Text;                   # "all_reduce(count=1024, dtype=float32, op=sum)"
+  ageMs @2 :UInt64;              # since its first rank submitted it
+  started @3 :Bool;              # every rank arrived and it is running
+  rank @4 :Int32;                # send/recv group: the rank that submitted it; -1: collective
+  missingRanks @5 :List(UInt32); # this node's ranks that have not submitted it (group: unmatched peers)
 }
 
 # --- Communicators -----------------------------------------------------------
