@@ -22,8 +22,9 @@ int main(int argc, char** argv) {
   // them back on free, so every transfer page-faults its buffers in again: on
   // a VM ~12 us per 4 KiB page, i.e. ~50 ms per 16 MiB, more than the copy
   // itself. Keep them on the heap and reuse them instead; the heap is given
-  // back to the kernel once more than 256 MiB of it is free.
-  ::mallopt(M_MMAP_THRESHOLD, 64 << 20);
+  // back to the kernel once more than 256 MiB of it is free. (M_MMAP_MAX 0
+  // rather than a threshold: glibc refuses thresholds above 32 MiB.)
+  ::mallopt(M_MMAP_MAX, 0);
   ::mallopt(M_TRIM_THRESHOLD, 256 << 20);
   daemon::Options opts;
   try {
