@@ -36,25 +36,7 @@ TEST_CASE("the full matrix across 2, 3 and 4 processes matches the reference") {
     auto id = new_id(d.socket());
     run_ranks(n, [&](int rank) {
       RankCtx c = join(d.socket(), id, n, rank, 4099 * 8 * 4 + 256);
-      std::uint64_t salt = 1;
-      for (Op op : kOps) {
-        for (collective_dtype_t dt : kDTypes) {
-          for (collective_redop_t redop : kRedOps) {
-            if (!reducing(op) && redop != COLLECTIVE_SUM) continue;
-            for (std::size_t count : kCounts) {
-              for (bool in_place : {false, true}) {
-                const int root = static_cast<int>(salt % n);
-                run_case(c, op, dt, redop, count, in_place, root, salt++);
-              }
-            }
-          }
-        }
-      }
-      collective_request_t* r = nullptr;
-      if (collective_barrier(c.comm, &r) != COLLECTIVE_OK || collective_wait(r, 20000) != COLLECTIVE_OK) {
-        c.report(std::string("barrier: ") + collective_last_error());
-      }
-      collective_request_free(r);
+      run_matrix(c);
       if (collective_comm_destroy(c.comm) != COLLECTIVE_OK) c.report(collective_last_error());
       collective_disconnect(c.client);
       return c.failures == 0 ? 0 : 1;

@@ -77,7 +77,7 @@ struct GpuCollective {
 struct GpuStatus {
   bool available = false;
   std::string reason;                ///< why not, or the driver version
-  std::vector<std::string> devices;  ///< "0: NVIDIA H100 80GB HBM3 (GPU-xxxx)"
+  std::vector<std::string> devices;  ///< "0: NVIDIA H100 80GB HBM3 (GPU-<uuid>)"
   std::string mps;                   ///< managed | external | off
   std::string mps_reason;
   std::uint32_t mappings = 0;        ///< open client allocations

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "client/collective.h"
+#include "tests/support/reference.h"
 
 namespace collectived::test {
 
@@ -21,15 +22,6 @@ enum class Op { all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_t
 extern const Op kOps[6];
 const char* name(Op op);
 bool reducing(Op op);
-
-/// Deterministic input element `i` of `rank` for a test case, as raw bits.
-std::uint64_t input_bits(collective_dtype_t d, collective_redop_t op, int rank, std::size_t i,
-                         std::uint64_t salt);
-void put(collective_dtype_t d, void* base, std::size_t i, std::uint64_t bits);
-std::uint64_t get(collective_dtype_t d, const void* base, std::size_t i);
-/// Reduction of raw inputs in rank order, as raw result bits.
-std::uint64_t reference(collective_dtype_t d, collective_redop_t op,
-                        const std::vector<std::uint64_t>& in);
 
 /// A rank in a child process.
 struct RankCtx {

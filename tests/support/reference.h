@@ -1,7 +1,8 @@
 // Reference semantics of the collectives (client/collective.h, engine/reduce.h)
 // for programs that check results: deterministic inputs per (rank, element,
 // salt) and the expected reduction of them, computed here independently of
-// the daemon. The same definitions as tests/collectives_test.cc.
+// the daemon. Shared by the integration tests (tests/support/collective_check.h)
+// and the soak client, which does not link doctest.
 #pragma once
 
 #include <bit>
