@@ -706,7 +706,9 @@ void PeerLink::on_heartbeat_ack(PeerStream& stream, peerwire::HeartbeatAck::Read
   const std::int64_t ours = wall_ns() - static_cast<std::int64_t>(rtt_ns / 2);
   have_rtt_ = true;
   rtt_us_ = rtt_ns / 1000;
-  skew_ms_ = static_cast<double>(ack.getWallNs() - ours) / 1e6;
+  // The peer's clock value is untrusted input: subtract in double so that a
+  // corrupt or hostile value cannot overflow.
+  skew_ms_ = (static_cast<double>(ack.getWallNs()) - static_cast<double>(ours)) / 1e6;
   const auto it = pings_.find(ack.getSeq());
   if (it == pings_.end() || !it->second.sent) return;
   PingDone done = std::move(it->second.done);
