@@ -133,8 +133,10 @@ void Server::listen() {
   // Peers first: once the client socket answers, the daemon is fully up.
   peers_.listen();  // peer.listen_address:peer.port, unless peer.port is 0
   if (peers_.listening()) {
-    PeerTransport::connect(peers_, engine_);
-    engine_.set_node_transport(&transport_);
+    transport_ = std::make_unique<transport::SelectingTransport>(profile_, address_of(profile_),
+                                                                 peers_, engine_, log_);
+    transport_->start();
+    engine_.set_node_transport(transport_.get());
   }
   const std::string& path = profile_.client.socket;
   namespace fs = std::filesystem;
@@ -341,6 +343,7 @@ void Server::fill_status(wire::StatusReply::Builder s) {
   s.setOperationsCompleted(es.completed);
   s.setLogLevel(std::string(config::to_string(log_.level())).c_str());
   tcp::fill_peer_status(peers_, s);
+  if (transport_) transport_->fill_status(s);
   const auto g = gpu_->status();
   auto gs = s.initGpu();
   gs.setAvailable(g.available);
@@ -429,6 +432,7 @@ void Server::begin_shutdown(const std::string& reason) {
   metrics_server_.close();
   // Every client learns why its session ends; work in flight fails with it.
   engine_.shutdown("collectived on node " + profile_.node.name + " is stopping (" + reason + ")");
+  if (transport_) transport_->shutdown();
   peers_.shutdown("collectived on node " + profile_.node.name + " is stopping (" + reason + ")");
   const std::string why = "collectived on node " + profile_.node.name + " is stopping (" +
                           reason + "); in-flight operations were aborted";

@@ -17,6 +17,7 @@
 #include "daemon/notify.h"
 #include "engine/transport/tcp/peer_manager.h"
 #include "engine/transport/tcp/peer_transport.h"
+#include "engine/transport/select.h"
 #include "daemon/ring_poller.h"
 #include "daemon/session.h"
 #include "engine/log.h"
@@ -86,7 +87,9 @@ class Server final : public SessionHost {
   boost::asio::steady_timer shutdown_timer_;
   boost::asio::steady_timer sweep_timer_;
   PeerManager peers_;  // after io_: its sockets and timers live on it
-  PeerTransport transport_{peers_};  // the engine's way to other nodes
+  // The engine's way to other nodes: tcp or verbs per peer (after peers_,
+  // which it uses; destroyed first).
+  std::unique_ptr<transport::SelectingTransport> transport_;
   MetricsServer metrics_server_;  // after io_, like peers_
   std::map<std::uint64_t, std::shared_ptr<ClientSession>> sessions_;
   std::uint64_t next_session_id_ = 1;

@@ -123,3 +123,24 @@ struct PeerMessage {
     data @7 :DataChunk;
   }
 }
+
+# Setting up a verbs (RDMA) connection between two daemons
+# (engine/transport/select.h): the payload of DataChunk messages on channel 3,
+# so that queue-pair parameters travel over this authenticated connection.
+# Only the daemon with the lower listen address initiates (`open`); the other
+# one asks it to with `request`. Both sides then run the exchange of
+# engine/transport/verbs (`data`, in `seq` order), and `abort` tells the other
+# side why it failed. `refuse`: this daemon does not use verbs (the reason);
+# the asking side falls back to TCP.
+struct VerbsSetup {
+  attempt @0 :UInt64;        # the initiator's id of this setup (0 in request and its refusal)
+  seq @1 :UInt32;            # data: 0, 1, 2, ... per attempt and direction
+  union {
+    request @2 :Text;        # the sender's node name
+    open @3 :Text;           # the initiator's node name
+    accept @4 :Text;         # the responder's node name
+    refuse @5 :Text;
+    data @6 :Data;
+    abort @7 :Text;
+  }
+}

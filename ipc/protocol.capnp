@@ -113,6 +113,7 @@ struct StatusReply {
   comms @19 :List(CommStatus);   # communicators with ranks on this daemon, in-flight operations
   metricsAddress @20 :Text;      # where the Prometheus endpoint listens ("" = off)
   clientSocket @21 :Text;        # the socket clients connect to (client.socket)
+  verbs @22 :VerbsStatus;        # the verbs transport on this node (issue D)
 }
 
 # One communicator in StatusReply.comms (collectivectl status, comms).
@@ -295,6 +296,29 @@ struct PeerInfo {
   connectedSinceUnixMs @11 :Int64;  # when the connection in use became ready (0: none)
   connectedMs @12 :UInt64;       # for how long
   lastError @13 :Text;           # why the last connection failed
+  transport @14 :Text;           # what carries engine traffic to it: "verbs", "tcp" ("" = none yet)
+  transportReason @15 :Text;     # why that one (a fallback to tcp says why verbs did not work)
+  verbs @16 :VerbsPeer;          # the verbs connection, when one was made or tried
+}
+
+# The verbs transport of this daemon (StatusReply.verbs).
+struct VerbsStatus {
+  enabled @0 :Bool;              # an HCA port is open and verbs is tried before tcp
+  reason @1 :Text;               # why not, or what was opened
+  device @2 :Text;               # "rxe0 port 1 (Ethernet, RoCE v2 gid 1 ..., mtu 1024, pool 64 MiB)"
+  gpuDirect @3 :Text;            # the GPU memory path: "peer memory", "dma-buf" or "host staging"
+  gpuDirectReason @4 :Text;
+}
+
+# One peer's verbs connection (PeerInfo.verbs).
+struct VerbsPeer {
+  healthy @0 :Bool;
+  queuePairs @1 :Text;           # "rxe0:1 qpn 17 -> n1 qpn 18, mtu 1024, ..." (Pair::describe)
+  pairs @2 :UInt32;              # connections built since start (1 + rebuilds)
+  error @3 :Text;                # why the last one broke or could not be built
+  bytesWritten @4 :UInt64;
+  writes @5 :UInt64;
+  creditStalls @6 :UInt64;
 }
 
 # Asks the daemon to reach another node's daemon: opens the connection if

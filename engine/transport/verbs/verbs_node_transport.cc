@@ -1,6 +1,5 @@
 #include "engine/transport/verbs/verbs_node_transport.h"
 
-#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -11,31 +10,12 @@
 
 namespace collectived::verbs {
 
-struct VerbsNodeTransport::Peer {
-  std::string address;
-  std::unique_ptr<Pair> pair;
-  std::string connect_error;
-
-  // Sending: a queue drained by one thread, so that messages go in order and
-  // send() never blocks on the network.
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<std::pair<std::vector<std::byte>, Done>> queue;
-  std::uint64_t next_tag = 1;
-  std::atomic<bool> stop{false};
-  std::atomic<bool> down_reported{false};
-  std::thread sender;
-  std::thread receiver;
-
-  ~Peer() {
-    stop = true;
-    cv.notify_all();
-    if (sender.joinable()) sender.join();
-    if (receiver.joinable()) receiver.join();
-  }
-};
-
 namespace {
+
+// Writes a sender keeps in flight per peer before it waits for the oldest:
+// enough to cover the round trip of a write's completion (one write at a
+// time left the link idle for a round trip per message).
+constexpr std::size_t kWindow = 8;
 
 std::string pair_error(const Pair& pair) {
   const std::string e = pair.error();
@@ -43,6 +23,23 @@ std::string pair_error(const Pair& pair) {
 }
 
 }  // namespace
+
+struct VerbsNodeTransport::Peer {
+  std::string address;
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Item> queue;
+  bool stop = false;
+  // The current pair, its receiver thread and the flag that tells that
+  // receiver it was replaced (no peer-down report then).
+  std::shared_ptr<Pair> pair;
+  std::shared_ptr<std::atomic<bool>> retired;
+  std::thread receiver;
+  std::uint32_t pairs = 0;
+  std::string node;
+  std::string error;
+  std::thread sender;
+};
 
 VerbsNodeTransport::VerbsNodeTransport(Device& device, Connector connector, Deliver deliver,
                                        Down down, Clock::duration send_deadline)
@@ -58,147 +55,310 @@ VerbsNodeTransport::~VerbsNodeTransport() {
     std::lock_guard lock(mu_);
     peers.swap(peers_);
   }
-  for (auto& [address, peer] : peers) {
-    if (peer->pair) peer->pair->fail("the daemon is closing the verbs transport");
+  for (auto& [address, p] : peers) {
+    std::shared_ptr<Pair> pair;
+    {
+      std::lock_guard lock(p->mu);
+      p->stop = true;
+      pair = p->pair;
+      if (p->retired) p->retired->store(true);
+    }
+    if (pair) pair->fail("the daemon is closing the verbs transport");
+    p->cv.notify_all();
   }
-  peers.clear();  // joins the threads
+  for (auto& [address, p] : peers) {
+    if (p->sender.joinable()) p->sender.join();
+    if (p->receiver.joinable()) p->receiver.join();
+    // Messages still queued are answered: their callers wait for `done`.
+    for (auto& item : p->queue) {
+      if (item.second) item.second(Code::aborted, "the verbs transport is closing");
+    }
+  }
 }
 
 bool VerbsNodeTransport::connected(const std::string& address) const {
-  std::lock_guard lock(mu_);
-  auto it = peers_.find(address);
-  return it != peers_.end() && it->second->pair && it->second->pair->healthy();
-}
-
-void VerbsNodeTransport::add_pair(const std::string& address, std::unique_ptr<Pair> pair) {
-  add_pair(address, std::move(pair), "");
-}
-
-void VerbsNodeTransport::add_pair(const std::string& address, std::unique_ptr<Pair> pair,
-                                  const std::string& connect_error) {
-  auto peer = std::make_shared<Peer>();
-  peer->address = address;
-  peer->pair = std::move(pair);
-  peer->connect_error = connect_error;
-  Peer* p = peer.get();
-
-  p->sender = std::thread([this, p] {
-    std::optional<Buffer> staging;
-    while (true) {
-      std::pair<std::vector<std::byte>, Done> item;
-      {
-        std::unique_lock lock(p->mu);
-        p->cv.wait(lock, [&] { return p->stop || !p->queue.empty(); });
-        if (p->queue.empty()) return;
-        item = std::move(p->queue.front());
-        p->queue.pop_front();
-      }
-      if (!p->pair) {
-        if (item.second) item.second(Code::unavailable, p->connect_error);
-        continue;
-      }
-      try {
-        const std::size_t n = item.first.size();
-        // One staging buffer, grown as needed, from the registered pool.
-        if (!staging || staging->size() < std::max<std::size_t>(n, 1)) {
-          staging.reset();
-          staging = device_.allocate(std::max<std::size_t>(n, 4096));
-        }
-        if (n > 0) std::memcpy(staging->data(), item.first.data(), n);
-        const std::uint64_t id = p->pair->post_write(p->next_tag++, *staging, 0, n);
-        p->pair->wait_written(id, Clock::now() + send_deadline_);
-        if (item.second) item.second(Code::ok, "");
-      } catch (const Error& e) {
-        if (item.second) item.second(e.code(), e.what());
-      }
-    }
-  });
-
-  if (p->pair) p->receiver = std::thread([this, p] {
-    struct Partial {
-      std::vector<std::byte> data;
-      std::uint64_t got = 0;
-    };
-    std::map<std::uint64_t, Partial> partial;
-    std::map<std::uint64_t, std::vector<std::byte>> complete;
-    std::uint64_t expected = 1;
-    while (!p->stop) {
-      try {
-        const Chunk c = p->pair->next_chunk(std::nullopt, Clock::now() + std::chrono::milliseconds(200));
-        Partial& m = partial[c.tag];
-        if (m.data.size() != c.total) m.data.resize(c.total);
-        if (!c.data.empty()) std::memcpy(m.data.data() + c.offset, c.data.data(), c.data.size());
-        m.got += c.data.size();
-        p->pair->release(c);
-        if (m.got >= c.total) {
-          complete[c.tag] = std::move(m.data);
-          partial.erase(c.tag);
-        }
-        // In send order: pieces of different messages can finish out of order
-        // when a pair has several QPs.
-        for (auto it = complete.find(expected); it != complete.end(); it = complete.find(expected)) {
-          deliver_(p->address, std::move(it->second));
-          complete.erase(it);
-          ++expected;
-        }
-      } catch (const Error& e) {
-        if (e.code() == Code::timeout) continue;
-        if (!p->stop && !p->down_reported.exchange(true) && down_) {
-          down_(p->address, p->pair->peer(), pair_error(*p->pair));
-        }
-        return;
-      }
-    }
-  });
-
-  std::shared_ptr<Peer> old;
-  {
-    std::lock_guard lock(mu_);
-    auto& slot = peers_[address];
-    old = std::move(slot);
-    slot = std::move(peer);
-  }
-  // `old` (a pair replaced by a new connection) joins its threads here.
-  if (old && old->pair) old->pair->fail("replaced by a new verbs connection");
-}
-
-std::shared_ptr<VerbsNodeTransport::Peer> VerbsNodeTransport::peer_for(const std::string& address,
-                                                                      bool create) {
+  std::shared_ptr<Peer> p;
   {
     std::lock_guard lock(mu_);
     auto it = peers_.find(address);
-    // A broken pair is replaced through the connector (the connection is rebuilt).
-    if (it != peers_.end() &&
-        ((it->second->pair && it->second->pair->healthy()) || !create || !connector_)) {
-      return it->second;
-    }
+    if (it == peers_.end()) return false;
+    p = it->second;
   }
-  if (!create || !connector_) return nullptr;
-  std::unique_ptr<Pair> pair;
-  std::string error;
-  try {
-    pair = connector_(address);
-  } catch (const Error& e) {
-    error = e.what();
-  }
-  // A failed connection is a peer without a pair: its sender fails what is
-  // queued (never inside send()), and the next send to it tries again.
-  add_pair(address, std::move(pair), error);
+  std::lock_guard lock(p->mu);
+  return p->pair && p->pair->healthy();
+}
+
+std::shared_ptr<VerbsNodeTransport::Peer> VerbsNodeTransport::peer_for(const std::string& address) {
   std::lock_guard lock(mu_);
-  auto it = peers_.find(address);
-  return it == peers_.end() ? nullptr : it->second;
+  auto& slot = peers_[address];
+  if (!slot) {
+    slot = std::make_shared<Peer>();
+    slot->address = address;
+    Peer* p = slot.get();
+    p->sender = std::thread([this, p] { sender_loop(*p); });
+  }
+  return slot;
+}
+
+void VerbsNodeTransport::add_pair(const std::string& address, std::unique_ptr<Pair> pair) {
+  install(*peer_for(address), std::move(pair));
+}
+
+void VerbsNodeTransport::install(Peer& p, std::unique_ptr<Pair> pair) {
+  std::shared_ptr<Pair> sp(pair.release());
+  auto retired = std::make_shared<std::atomic<bool>>(false);
+  std::shared_ptr<Pair> old_pair;
+  std::shared_ptr<std::atomic<bool>> old_retired;
+  std::thread old_receiver;
+  {
+    std::lock_guard lock(p.mu);
+    if (p.stop) return;
+    old_pair = std::exchange(p.pair, sp);
+    old_retired = std::exchange(p.retired, retired);
+    old_receiver = std::move(p.receiver);
+    ++p.pairs;
+    p.node = sp->peer();
+    p.error.clear();
+    p.receiver = std::thread([this, pp = &p, sp, retired] {
+      struct Partial {
+        std::vector<std::byte> data;
+        std::uint64_t got = 0;
+      };
+      std::map<std::uint64_t, Partial> partial;
+      std::map<std::uint64_t, std::vector<std::byte>> complete;
+      std::uint64_t expected = 1;
+      while (!retired->load()) {
+        try {
+          const Chunk c = sp->next_chunk(std::nullopt, Clock::now() + std::chrono::milliseconds(200));
+          Partial& m = partial[c.tag];
+          if (m.data.size() != c.total) m.data.resize(c.total);
+          if (!c.data.empty()) std::memcpy(m.data.data() + c.offset, c.data.data(), c.data.size());
+          m.got += c.data.size();
+          sp->release(c);
+          if (m.got >= c.total) {
+            complete[c.tag] = std::move(m.data);
+            partial.erase(c.tag);
+          }
+          // In send order: pieces of different messages can finish out of
+          // order (several writes in flight, several QPs).
+          for (auto it = complete.find(expected); it != complete.end();
+               it = complete.find(expected)) {
+            deliver_(pp->address, std::move(it->second));
+            complete.erase(it);
+            ++expected;
+          }
+        } catch (const Error& e) {
+          if (e.code() == Code::timeout) continue;
+          if (retired->exchange(true)) return;  // replaced or closing: not a peer failure
+          const std::string why = pair_error(*sp);
+          {
+            std::lock_guard guard(pp->mu);
+            pp->error = why;
+          }
+          if (down_) down_(pp->address, sp->peer(), why);
+          return;
+        }
+      }
+    });
+  }
+  p.cv.notify_all();
+  if (old_pair) {
+    old_retired->store(true);
+    old_pair->fail("replaced by a new verbs connection");
+  }
+  if (old_receiver.joinable()) old_receiver.join();
+}
+
+void VerbsNodeTransport::fail_pair(const std::string& address, const std::string& why) {
+  std::shared_ptr<Peer> p;
+  {
+    std::lock_guard lock(mu_);
+    auto it = peers_.find(address);
+    if (it == peers_.end()) return;
+    p = it->second;
+  }
+  std::shared_ptr<Pair> pair;
+  {
+    std::lock_guard lock(p->mu);
+    pair = p->pair;
+  }
+  if (pair && pair->healthy()) pair->fail(why);
+}
+
+void VerbsNodeTransport::sender_loop(Peer& p) {
+  struct InFlight {
+    std::uint64_t id;
+    std::shared_ptr<Pair> pair;
+    Buffer staging;
+    Done done;
+  };
+  std::deque<InFlight> in_flight;
+  std::vector<Buffer> spare;  // staging buffers from the registered pool, reused
+  std::shared_ptr<Pair> last_pair;
+  std::uint64_t next_tag = 1;
+
+  auto complete_oldest = [&] {
+    InFlight f = std::move(in_flight.front());
+    in_flight.pop_front();
+    Code code = Code::ok;
+    std::string why;
+    try {
+      f.pair->wait_written(f.id, Clock::now() + send_deadline_);
+    } catch (const Error& e) {
+      code = e.code();
+      why = e.what();
+    }
+    if (spare.size() < kWindow) spare.push_back(std::move(f.staging));
+    if (f.done) f.done(code, why);
+  };
+
+  while (true) {
+    Item item;
+    {
+      std::unique_lock lock(p.mu);
+      if (p.queue.empty() && !in_flight.empty() && !p.stop) {
+        lock.unlock();
+        complete_oldest();
+        continue;
+      }
+      p.cv.wait(lock, [&] { return p.stop || !p.queue.empty(); });
+      if (p.stop) break;
+      item = std::move(p.queue.front());
+      p.queue.pop_front();
+    }
+    std::shared_ptr<Pair> pair;
+    {
+      std::lock_guard lock(p.mu);
+      pair = p.pair;
+    }
+    if (!pair || !pair->healthy()) {
+      while (!in_flight.empty()) complete_oldest();
+      std::optional<Error> failed;
+      if (!connector_) {
+        failed.emplace(Code::unavailable, "no verbs connection to " + p.address);
+      } else {
+        try {
+          connector_(p.address);
+        } catch (const Error& e) {
+          failed.emplace(e);
+        }
+      }
+      if (!failed) {
+        std::lock_guard lock(p.mu);
+        pair = p.pair;
+        if (!pair || !pair->healthy()) {
+          failed.emplace(Code::unavailable,
+                         pair ? pair_error(*pair) : "no verbs connection to " + p.address);
+        }
+      }
+      if (failed) {
+        // This message and everything queued behind it: handed over (the
+        // selection falls back to TCP) or failed, in order.
+        std::vector<Item> items;
+        items.push_back(std::move(item));
+        {
+          std::lock_guard lock(p.mu);
+          while (!p.queue.empty()) {
+            items.push_back(std::move(p.queue.front()));
+            p.queue.pop_front();
+          }
+          p.error = failed->what();
+        }
+        if (connect_failed_) {
+          connect_failed_(p.address, *failed, std::move(items));
+        } else {
+          for (auto& i : items) {
+            if (i.second) i.second(failed->code(), failed->what());
+          }
+        }
+        continue;
+      }
+    }
+    if (pair != last_pair) {
+      // A new pair: both sides start counting tags again.
+      while (!in_flight.empty()) complete_oldest();
+      last_pair = pair;
+      next_tag = 1;
+    }
+    try {
+      const std::size_t n = item.first.size();
+      Buffer staging;
+      for (auto it = spare.begin(); it != spare.end(); ++it) {
+        if (it->size() >= std::max<std::size_t>(n, 1)) {
+          staging = std::move(*it);
+          spare.erase(it);
+          break;
+        }
+      }
+      if (!staging) staging = device_.allocate(std::max<std::size_t>(n, 4096));
+      if (n > 0) std::memcpy(staging.data(), item.first.data(), n);
+      const std::uint64_t id = pair->post_write(next_tag++, staging, 0, n);
+      in_flight.push_back({id, pair, std::move(staging), std::move(item.second)});
+      if (const std::uint64_t left = force_after_.load(); left > 0) {
+        if (force_after_.fetch_sub(1) == 1) pair->force_error();
+      }
+    } catch (const Error& e) {
+      if (item.second) item.second(e.code(), e.what());
+    }
+    if (in_flight.size() >= kWindow) complete_oldest();
+  }
+  while (!in_flight.empty()) complete_oldest();
+}
+
+std::vector<VerbsNodeTransport::Item> VerbsNodeTransport::take_queued(const std::string& address) {
+  std::shared_ptr<Peer> p;
+  {
+    std::lock_guard lock(mu_);
+    auto it = peers_.find(address);
+    if (it == peers_.end()) return {};
+    p = it->second;
+  }
+  std::vector<Item> items;
+  std::lock_guard lock(p->mu);
+  while (!p->queue.empty()) {
+    items.push_back(std::move(p->queue.front()));
+    p->queue.pop_front();
+  }
+  return items;
 }
 
 void VerbsNodeTransport::send(const std::string& address, std::vector<std::byte> message,
                               Done done) {
-  std::shared_ptr<Peer> peer = peer_for(address, true);
-  if (!peer) add_pair(address, nullptr, "no verbs connection to " + address);
-  peer = peer_for(address, false);
+  std::shared_ptr<Peer> p = peer_for(address);
   {
-    std::lock_guard lock(peer->mu);
-    peer->queue.emplace_back(std::move(message), std::move(done));
+    std::lock_guard lock(p->mu);
+    p->queue.emplace_back(std::move(message), std::move(done));
   }
-  peer->cv.notify_one();
+  p->cv.notify_all();
+}
+
+std::vector<VerbsPeerStatus> VerbsNodeTransport::status() const {
+  std::vector<std::shared_ptr<Peer>> peers;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& [a, p] : peers_) peers.push_back(p);
+  }
+  std::vector<VerbsPeerStatus> out;
+  for (const auto& p : peers) {
+    VerbsPeerStatus s;
+    std::shared_ptr<Pair> pair;
+    {
+      std::lock_guard lock(p->mu);
+      s.address = p->address;
+      s.node = p->node;
+      s.pairs = p->pairs;
+      s.error = p->error;
+      pair = p->pair;
+    }
+    if (pair) {
+      s.healthy = pair->healthy();
+      s.pair = pair->describe();
+      s.stats = pair->stats();
+      if (!s.healthy && s.error.empty()) s.error = pair_error(*pair);
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
 }
 
 }  // namespace collectived::verbs

@@ -1,21 +1,42 @@
 // The engine's NodeTransport (engine/transport/transport.h) over verbs pairs:
-// what the daemon plugs in, per peer, once verbs is selected for it. Each
-// engine message is one tagged write (tag = per-peer sequence number) from a
-// registered pool buffer; the receiving side reassembles the pieces and hands
-// whole messages on in the order they were sent. A broken pair reports the
-// peer down once (the engine then fails the communicators spanning it).
+// what the daemon plugs in, per peer, once verbs is selected for it
+// (engine/transport/select.h). Each engine message is one tagged write (tag =
+// per-peer sequence number) from a registered pool buffer; the receiving side
+// reassembles the pieces and hands whole messages on in the order they were
+// sent. A broken pair reports the peer down once (the engine then fails the
+// communicators spanning it); the next message to that peer builds a new one.
+//
+// Threads: send() only queues (it never blocks on the network or on a
+// connection being built). Per peer, a sender thread connects when needed
+// (through the Connector), stages messages into pool buffers and keeps up to
+// `kWindow` writes in flight; a receiver thread per pair reassembles.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "engine/transport/transport.h"
 #include "engine/transport/verbs/verbs_transport.h"
 
 namespace collectived::verbs {
+
+/// One peer as status shows it.
+struct VerbsPeerStatus {
+  std::string address;
+  std::string node;         ///< "" until a pair was made
+  bool healthy = false;     ///< a working pair exists
+  std::string pair;         ///< Pair::describe() of the current pair ("" = none)
+  std::uint32_t pairs = 0;  ///< pairs installed since start (1 + rebuilds)
+  std::string error;        ///< why the last pair broke or could not be made
+  PairStats stats;          ///< of the current pair
+};
 
 class VerbsNodeTransport final : public engine::NodeTransport {
  public:
@@ -24,11 +45,16 @@ class VerbsNodeTransport final : public engine::NodeTransport {
   /// The pair to `address` (node `node`) broke (Engine::node_down).
   using Down = std::function<void(const std::string& address, const std::string& node,
                                   const std::string& why)>;
-  /// Opens a pair to `address` on demand (the daemon: over the authenticated
-  /// peer connection's exchange channel); may be empty (pairs only via add_pair).
-  /// Runs in the first send() to an address without a healthy pair: it blocks
-  /// that caller (at most the connect deadline it applies).
-  using Connector = std::function<std::unique_ptr<Pair>(const std::string& address)>;
+  /// Makes sure a pair to `address` gets installed (add_pair), blocking until
+  /// it is or throwing Error why not. Runs on the peer's sender thread only
+  /// (never inside send()). May be empty: pairs only via add_pair.
+  using Connector = std::function<void(const std::string& address)>;
+  using Item = std::pair<std::vector<std::byte>, Done>;
+  /// The Connector failed: `items` (the message that needed the pair first,
+  /// then whatever was queued behind it, in order) are handed over instead of
+  /// failed. Called on the sender thread without any of this object's locks.
+  using ConnectFailed =
+      std::function<void(const std::string& address, const Error& why, std::vector<Item> items)>;
 
   VerbsNodeTransport(Device& device, Connector connector, Deliver deliver, Down down,
                      Clock::duration send_deadline);
@@ -38,24 +64,38 @@ class VerbsNodeTransport final : public engine::NodeTransport {
   /// completed (or failed, with the pair's error naming the node).
   void send(const std::string& address, std::vector<std::byte> message, Done done) override;
 
-  /// Uses `pair` for `address` (a connection the peer opened, or one made ahead).
+  /// Uses `pair` for `address` (replacing a previous one, which is closed
+  /// without reporting the peer down).
   void add_pair(const std::string& address, std::unique_ptr<Pair> pair);
-
   /// Whether a healthy pair to `address` exists.
   bool connected(const std::string& address) const;
+  /// Breaks the pair to `address` (its peer daemon's TCP link went down): the
+  /// next message builds a new one.
+  void fail_pair(const std::string& address, const std::string& why);
+  /// Removes and returns the messages queued for `address` and not yet written.
+  std::vector<Item> take_queued(const std::string& address);
+  /// See ConnectFailed; set before the first send.
+  void on_connect_failed(ConnectFailed handler) { connect_failed_ = std::move(handler); }
+  /// Test hook: after `writes` more messages to any peer, move that pair's QPs
+  /// to the error state once (COLLECTIVED_TEST_VERBS_QP_ERROR_AFTER).
+  void force_error_after(std::uint64_t writes) { force_after_ = writes; }
+
+  std::vector<VerbsPeerStatus> status() const;
 
   struct Peer;
 
  private:
-  std::shared_ptr<Peer> peer_for(const std::string& address, bool create);
-  void add_pair(const std::string& address, std::unique_ptr<Pair> pair,
-                const std::string& connect_error);
+  std::shared_ptr<Peer> peer_for(const std::string& address);
+  void sender_loop(Peer& p);
+  void install(Peer& p, std::unique_ptr<Pair> pair);
 
   Device& device_;
   Connector connector_;
   Deliver deliver_;
   Down down_;
+  ConnectFailed connect_failed_;
   Clock::duration send_deadline_;
+  std::atomic<std::uint64_t> force_after_{0};
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<Peer>> peers_;
 };
