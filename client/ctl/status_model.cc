@@ -55,7 +55,25 @@ DaemonStatus from_wire(wire::StatusReply::Reader s) {
     r.connections = p.getConnections();
     r.connected_ms = p.getConnectedMs();
     r.last_error = p.getLastError();
+    r.transport = p.getTransport();
+    r.transport_reason = p.getTransportReason();
+    if (p.hasVerbs()) {
+      auto v = p.getVerbs();
+      r.has_verbs = true;
+      r.verbs_healthy = v.getHealthy();
+      r.verbs_queue_pairs = v.getQueuePairs();
+      r.verbs_pairs = v.getPairs();
+      r.verbs_error = v.getError();
+    }
     d.peers.push_back(std::move(r));
+  }
+  if (s.hasVerbs()) {
+    auto v = s.getVerbs();
+    d.verbs_enabled = v.getEnabled();
+    d.verbs_reason = v.getReason();
+    d.verbs_device = v.getDevice();
+    d.gpudirect = v.getGpuDirect();
+    d.gpudirect_reason = v.getGpuDirectReason();
   }
   d.peer_address = s.getPeerAddress();
   for (auto c : s.getComms()) {

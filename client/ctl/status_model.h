@@ -32,6 +32,13 @@ struct PeerRow {
   std::uint32_t connections = 0;
   std::uint64_t connected_ms = 0;
   std::string last_error;
+  std::string transport;         ///< "verbs", "tcp" or "" (nothing sent yet)
+  std::string transport_reason;  ///< why (a fallback's reason)
+  bool has_verbs = false;        ///< a verbs connection was made or tried
+  bool verbs_healthy = false;
+  std::string verbs_queue_pairs;  ///< device, QP numbers, MTU, slots
+  std::uint32_t verbs_pairs = 0;  ///< built since start (1 + rebuilds)
+  std::string verbs_error;
 };
 
 struct RankRow {
@@ -74,6 +81,8 @@ struct DaemonStatus {
   std::uint32_t open_fds = 0, worker_threads = 0, communicators = 0, in_flight = 0;
   std::uint64_t completed = 0;
   std::vector<PeerRow> peers;
+  bool verbs_enabled = false;
+  std::string verbs_reason, verbs_device, gpudirect, gpudirect_reason;
   std::vector<CommRow> comms;
 };
 

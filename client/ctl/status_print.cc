@@ -104,7 +104,12 @@ void json_peers(Json& j, const DaemonStatus& s) {
         .field("state", p.state)
         .field("outbound", p.outbound)
         .field("streams", p.streams)
-        .field("transport", std::string("tcp"))
+        .field("transport", p.transport)
+        .field("transport_reason", p.transport_reason)
+        .field("verbs_healthy", p.verbs_healthy)
+        .field("verbs_queue_pairs", p.verbs_queue_pairs)
+        .field("verbs_pairs", p.verbs_pairs)
+        .field("verbs_error", p.verbs_error)
         .field("bytes_sent", p.bytes_sent)
         .field("bytes_received", p.bytes_received)
         .field("rtt_us", p.rtt_us)
@@ -145,12 +150,45 @@ std::string in_flight_table(const DaemonStatus& s) {
   return t.str();
 }
 
+// "verbs (2 pairs)", "tcp x4", "tcp x4 (fallback)"; the TCP link carries
+// heartbeats (and the verbs setup) either way.
+std::string transport_text(const PeerRow& p) {
+  if (p.transport == "verbs") {
+    return std::string(p.verbs_healthy ? "verbs" : "verbs (broken)") +
+           (p.verbs_pairs > 1 ? " " + std::to_string(p.verbs_pairs) + " pairs" : "");
+  }
+  std::string t = "tcp x" + std::to_string(p.streams);
+  if (p.transport_reason.rfind("fell back", 0) == 0) t += " (fallback)";
+  return t;
+}
+
+// Below the peers table: the node's verbs device and each peer's queue pairs.
+std::string verbs_details(const DaemonStatus& s) {
+  std::string out;
+  if (s.verbs_enabled) {
+    out += "verbs: " + s.verbs_device + "; GPU memory: " + s.gpudirect +
+           (s.gpudirect_reason.empty() ? "" : " (" + s.gpudirect_reason + ")") + "\n";
+  } else if (!s.verbs_reason.empty()) {
+    out += "verbs: not used: " + s.verbs_reason + "\n";
+  }
+  for (const auto& p : s.peers) {
+    if (p.has_verbs) {
+      out += "  " + p.address + ": " +
+             (p.verbs_queue_pairs.empty() ? std::string("no queue pairs") : p.verbs_queue_pairs) +
+             (p.verbs_error.empty() ? "" : "; last error: " + p.verbs_error) + "\n";
+    } else if (!p.transport_reason.empty() && p.transport == "tcp") {
+      out += "  " + p.address + ": tcp: " + p.transport_reason + "\n";
+    }
+  }
+  return out;
+}
+
 std::string peers_table(const DaemonStatus& s) {
   Table t({"ADDRESS", "NODE", "STATE", "DIR", "TRANSPORT", "RTT", "SKEW", "SENT", "RECEIVED",
            "ERRORS", "UP", "LAST ERROR"});
   for (const auto& p : s.peers) {
     t.row({p.address, p.node.empty() ? "-" : p.node, p.state, p.outbound ? "out" : "in",
-           "tcp x" + std::to_string(p.streams), rtt_text(p.rtt_us), ms_text(p.skew_ms),
+           transport_text(p), rtt_text(p.rtt_us), ms_text(p.skew_ms),
            human_bytes(p.bytes_sent), human_bytes(p.bytes_received), std::to_string(p.errors),
            p.connected_ms ? human_duration_ms(p.connected_ms) : "-",
            p.last_error.empty() ? "-" : p.last_error});
@@ -234,6 +272,7 @@ std::string print_status(const DaemonStatus& s, bool json) {
   if (ops > 0) out += in_flight_table(s);
   out += "\npeers: " + std::to_string(s.peers.size()) + "\n";
   if (!s.peers.empty()) out += peers_table(s);
+  out += verbs_details(s);
   return out;
 }
 
@@ -274,8 +313,8 @@ std::string print_peers(const DaemonStatus& s, bool json) {
   std::string out = "peer listener: " +
                     (s.peer_address.empty() ? std::string("none (peer.port is 0)") : s.peer_address) +
                     "\n";
-  if (s.peers.empty()) return out + "no peer daemons known yet\n";
-  return out + peers_table(s);
+  if (s.peers.empty()) return out + "no peer daemons known yet\n" + verbs_details(s);
+  return out + peers_table(s) + verbs_details(s);
 }
 
 }  // namespace collectived::ctl

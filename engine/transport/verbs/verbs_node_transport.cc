@@ -235,7 +235,11 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
       while (!in_flight.empty()) complete_oldest();
       std::optional<Error> failed;
       if (!connector_) {
-        failed.emplace(Code::unavailable, "no verbs connection to " + p.address);
+        if (pair) {
+          failed.emplace(Code::remote, pair_error(*pair));
+        } else {
+          failed.emplace(Code::unavailable, "no verbs connection to " + p.address);
+        }
       } else {
         try {
           connector_(p.address);

@@ -1,0 +1,310 @@
+// Two real collectived daemons over verbs, inside ../shared/rdma-vm: node n0
+// on rxe0 ($RDMA_VM_IP0) and node n1 on rxe1 ($RDMA_VM_IP1), both with
+// `transports: [verbs, tcp]`, real client processes as ranks. The full
+// correctness matrix over verbs, connection reuse (a second communicator
+// opens no new queue pairs), a forced QP error (operations fail naming the
+// node, the connection is rebuilt, new operations work), a killed peer daemon
+// (its error names the node in time; restarted, it serves new communicators
+// over verbs again), and a daemon that cannot use verbs falling back to TCP.
+// Outside the VM (no RDMA device) it exits 77 (skipped).
+//
+// Both daemons run in one network namespace: on the VM's stable kernel
+// (RDMA_VM_NETNS=single) n0 and n1 are names of the initial namespace.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <thread>
+
+#include "client/collective.h"
+#include "tests/support/collective_check.h"
+#include "tests/support/harness.h"
+#include "tests/support/nodes.h"
+
+using namespace collectived;
+using namespace collectived::test;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+std::string env_or(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : fallback;
+}
+
+/// n0 and n1, each on its own device and address. `env1`: extra environment of n1.
+struct VerbsCluster {
+  TempDir dir;
+  std::vector<Node> nodes;
+
+  explicit VerbsCluster(std::map<std::string, std::string> env1 = {},
+                        std::vector<std::string> extra1 = {}) {
+    const std::string secret = write_secret(dir, "secret", "rdma test secret\n");
+    for (int i = 0; i < 2; ++i) {
+      Node node;
+      node.name = "n" + std::to_string(i);
+      node.ip = env_or(i == 0 ? "RDMA_VM_IP0" : "RDMA_VM_IP1", i == 0 ? "10.99.0.1" : "10.99.0.2");
+      node.secret_file = secret;
+      // Emulated RDMA is 10-20x slower than native: generous deadlines; a short
+      // QP timeout (67 ms x 4 tries) so that a dead peer is noticed in ~0.3 s.
+      node.extra = {"transports=[verbs,tcp]",
+                    "verbs.hcas=[" + env_or(i == 0 ? "RDMA_VM_DEV0" : "RDMA_VM_DEV1",
+                                            i == 0 ? "rxe0" : "rxe1") + "]",
+                    "verbs.gid_index=" + env_or("RDMA_VM_GID_INDEX", "1"),
+                    "verbs.timeout=14",
+                    "verbs.retry_count=3",
+                    "verbs.slot_bytes=256KiB",
+                    "verbs.slots_per_peer=16",
+                    "memory.host_pool_bytes=48MiB",
+                    "deadlines.connect_ms=10000",
+                    "deadlines.operation_ms=60000",
+                    "workers.threads=2"};
+      if (i == 1) {
+        node.env = env1;
+        node.extra.insert(node.extra.end(), extra1.begin(), extra1.end());
+      }
+      nodes.push_back(std::move(node));
+    }
+    for (auto& node : nodes) node.start();
+  }
+  const std::string& socket(int i) const { return nodes[i].daemon->socket(); }
+  ~VerbsCluster() {
+    if (const char* keep = std::getenv("COLLECTIVED_TEST_LOGS")) {
+      for (auto& n : nodes) {
+        if (n.daemon) write_file(std::string(keep) + "/" + n.name + "-" + std::to_string(n.port) + ".log", n.daemon->log());
+      }
+    }
+  }
+};
+
+void run_layout(const VerbsCluster& cl, const std::vector<int>& layout, std::size_t bytes,
+                const std::function<int(RankCtx&)>& body, std::chrono::milliseconds timeout = 600s) {
+  const auto id = new_id(cl.socket(0));
+  const int n = static_cast<int>(layout.size());
+  run_ranks(
+      n,
+      [&](int rank) {
+        RankCtx c = join(cl.socket(layout[rank]), id, n, rank, bytes);
+        c.tolerant = true;
+        const int rc = body(c);
+        if (c.comm) collective_comm_destroy(c.comm);
+        collective_disconnect(c.client);
+        return rc != 0 ? rc : (c.failures == 0 ? 0 : 1);
+      },
+      timeout);
+}
+
+collective_result_t all_reduce_wait(collective_comm_t* comm, const void* s, void* r,
+                                    std::size_t count, int timeout_ms = 60000) {
+  collective_request_t* req = nullptr;
+  collective_result_t rc =
+      collective_all_reduce(comm, s, r, count, COLLECTIVE_INT32, COLLECTIVE_SUM, &req);
+  if (rc == COLLECTIVE_OK) rc = collective_wait(req, timeout_ms);
+  collective_request_free(req);
+  return rc;
+}
+
+bool sum_check(RankCtx& c, collective_comm_t* comm, std::size_t count) {
+  auto* s = reinterpret_cast<std::int32_t*>(c.send);
+  auto* r = reinterpret_cast<std::int32_t*>(c.recv);
+  const int me = collective_comm_rank(comm), n = collective_comm_size(comm);
+  for (std::size_t i = 0; i < count; ++i) s[i] = me + 1 + static_cast<int>(i);
+  if (all_reduce_wait(comm, s, r, count) != COLLECTIVE_OK) {
+    c.report(std::string("all_reduce: ") + collective_last_error());
+    return false;
+  }
+  for (std::size_t i = 0; i < count; ++i) {
+    const std::int32_t want = n * (n + 1) / 2 + n * static_cast<int>(i);
+    if (r[i] != want) {
+      c.report("element " + std::to_string(i) + " is " + std::to_string(r[i]) + ", expected " +
+               std::to_string(want));
+      return false;
+    }
+  }
+  return true;
+}
+
+/// What status says about the verbs connection from `from` to `to`.
+struct VerbsRow {
+  std::string transport, reason, queue_pairs, error;
+  bool healthy = false;
+  std::uint32_t pairs = 0;
+  std::uint64_t writes = 0;
+};
+
+VerbsRow verbs_row(const Node& from, const Node& to) {
+  auto c = client_of(from);
+  auto f = c->status();
+  REQUIRE(f);
+  REQUIRE(f->message().isStatusReply());
+  auto s = f->message().getStatusReply();
+  VerbsRow r;
+  for (auto p : s.getPeers()) {
+    if (std::string(p.getAddress().cStr()) != to.address()) continue;
+    r.transport = p.getTransport().cStr();
+    r.reason = p.getTransportReason().cStr();
+    if (p.hasVerbs()) {
+      auto v = p.getVerbs();
+      r.healthy = v.getHealthy();
+      r.pairs = v.getPairs();
+      r.queue_pairs = v.getQueuePairs().cStr();
+      r.error = v.getError().cStr();
+      r.writes = v.getWrites();
+    }
+  }
+  return r;
+}
+
+bool verbs_enabled(const Node& n, std::string* device = nullptr) {
+  auto c = client_of(n);
+  auto f = c->status();
+  REQUIRE(f);
+  auto v = f->message().getStatusReply().getVerbs();
+  if (device) *device = v.getDevice().cStr();
+  return v.getEnabled();
+}
+
+}  // namespace
+
+TEST_CASE("verbs carries the full matrix between two daemons; a second communicator reuses the pair") {
+  VerbsCluster cl;
+  std::string device;
+  REQUIRE(verbs_enabled(cl.nodes[0], &device));
+  CHECK(device.find("rxe0") != std::string::npos);
+  REQUIRE(verbs_enabled(cl.nodes[1]));
+  const auto t0 = Clock::now();
+  for (const std::vector<int>& layout : {std::vector<int>{0, 1}, std::vector<int>{1, 0, 1}}) {
+    CAPTURE(layout.size());
+    run_layout(cl, layout, 4099 * 8 * 8 + 256, [](RankCtx& c) {
+      run_matrix(c);
+      return 0;
+    });
+  }
+  MESSAGE("matrix over verbs: " << std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - t0).count() << " s");
+  const VerbsRow a = verbs_row(cl.nodes[0], cl.nodes[1]);
+  const VerbsRow b = verbs_row(cl.nodes[1], cl.nodes[0]);
+  MESSAGE("n0 -> n1: " << a.transport << ", " << a.queue_pairs);
+  CHECK(a.transport == "verbs");
+  CHECK(b.transport == "verbs");
+  CHECK(a.healthy);
+  CHECK(b.healthy);
+  CHECK(a.pairs == 1);
+  CHECK(b.pairs == 1);
+  CHECK(a.writes > 0);
+  CHECK(a.queue_pairs.find("qpn") != std::string::npos);
+  CHECK(cl.nodes[0].daemon->log().find("verbs_connected") != std::string::npos);
+
+  // Connection reuse: another communicator over the same two nodes opens no
+  // new queue pairs (same pair count, same QP numbers).
+  run_layout(cl, {0, 1}, 1 << 16, [](RankCtx& c) { return sum_check(c, c.comm, 1000) ? 0 : 1; });
+  const VerbsRow a2 = verbs_row(cl.nodes[0], cl.nodes[1]);
+  CHECK(a2.pairs == 1);
+  CHECK(a2.queue_pairs == a.queue_pairs);
+  CHECK(a2.writes > a.writes);
+}
+
+TEST_CASE("a QP error fails the affected operations naming the node; the pair is rebuilt") {
+  // n1 moves its QPs to the error state after 40 messages to n0.
+  VerbsCluster cl({{"COLLECTIVED_TEST_VERBS_QP_ERROR_AFTER", "40"}});
+  run_layout(cl, {0, 1}, 1 << 16, [](RankCtx& c) {
+    int failed = 0;
+    for (int i = 0; i < 60 && failed == 0; ++i) {
+      auto* s = reinterpret_cast<std::int32_t*>(c.send);
+      for (int k = 0; k < 64; ++k) s[k] = k;
+      const auto t0 = Clock::now();
+      const collective_result_t rc = all_reduce_wait(c.comm, c.send, c.recv, 64);
+      if (rc != COLLECTIVE_OK) {
+        const char* msg = collective_last_error();
+        const int me = collective_comm_rank(c.comm);
+        // Each side names the other node.
+        const char* other = me == 0 ? "n1" : "n0";
+        if (!contains(msg, other)) c.report(std::string("error does not name ") + other + ": " + msg);
+        if (Clock::now() - t0 > 30s) c.report("the failure came late");
+        ++failed;
+      }
+    }
+    if (failed == 0) c.report("no operation failed after the forced QP error");
+    return 0;
+  });
+  // New operations work on a rebuilt pair.
+  run_layout(cl, {0, 1}, 1 << 16, [](RankCtx& c) { return sum_check(c, c.comm, 1000) ? 0 : 1; });
+  const VerbsRow a = verbs_row(cl.nodes[0], cl.nodes[1]);
+  CHECK(a.transport == "verbs");
+  CHECK(a.healthy);
+  CHECK(a.pairs >= 2);
+  MESSAGE("after the QP error: " << a.pairs << " pairs, last error: " << a.error);
+}
+
+TEST_CASE("a killed peer daemon fails operations naming it; restarted, it serves over verbs again") {
+  VerbsCluster cl;
+  {
+    const auto id = new_id(cl.socket(0));
+    Child rank0([&] {
+      RankCtx c = join(cl.socket(0), id, 2, 0, 1 << 16);
+      if (!sum_check(c, c.comm, 10)) return 1;
+      const auto t0 = Clock::now();
+      const collective_result_t rc = all_reduce_wait(c.comm, c.send, c.recv, 100);
+      const char* msg = collective_last_error();
+      const auto took = Clock::now() - t0;
+      std::fprintf(stderr, "rank 0 failed after %lld ms: %s\n",
+                   static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()), msg);
+      if (rc == COLLECTIVE_OK || !contains(msg, "n1")) return 2;
+      if (took > 15s) return 3;
+      return 0;
+    });
+    Child rank1([&] {
+      RankCtx c = join(cl.socket(1), id, 2, 1, 1 << 16);
+      if (!sum_check(c, c.comm, 10)) return 1;
+      std::this_thread::sleep_for(120s);  // never submits the second operation
+      return 0;
+    });
+    std::this_thread::sleep_for(5s);  // both are past the first operation (emulation is slow)
+    cl.nodes[1].daemon->signal(SIGKILL);
+    auto s0 = rank0.wait(60s);
+    CHECK(s0.exited);
+    CHECK(s0.code == 0);
+    rank1.kill(SIGKILL);
+    rank1.wait(5s);
+  }
+  cl.nodes[1].daemon.reset();
+  cl.nodes[1].start(true);
+  run_layout(cl, {0, 1, 1}, 1 << 16, [](RankCtx& c) { return sum_check(c, c.comm, 1000) ? 0 : 1; });
+  const VerbsRow a = verbs_row(cl.nodes[0], cl.nodes[1]);
+  CHECK(a.transport == "verbs");
+  CHECK(a.healthy);
+  CHECK(a.pairs >= 2);
+}
+
+TEST_CASE("a daemon that cannot use verbs is served over tcp; the fallback is logged with its reason") {
+  // n1 has no usable device (a name that does not exist): it starts, says why,
+  // and refuses verbs; n0 falls back to tcp for it.
+  VerbsCluster cl({}, {"verbs.hcas=[nosuchdev0]"});
+  CHECK(!verbs_enabled(cl.nodes[1]));
+  CHECK(cl.nodes[1].daemon->wait_for_log("verbs_unavailable", 10s));
+  CHECK(cl.nodes[1].daemon->log().find("nosuchdev0") != std::string::npos);
+  run_layout(cl, {0, 1}, 1 << 16, [](RankCtx& c) { return sum_check(c, c.comm, 1000) ? 0 : 1; });
+  CHECK(cl.nodes[0].daemon->wait_for_log("transport_fallback", 10s));
+  const VerbsRow a = verbs_row(cl.nodes[0], cl.nodes[1]);
+  CHECK(a.transport == "tcp");
+  CHECK(a.reason.find("does not use verbs") != std::string::npos);
+  MESSAGE("fallback reason: " << a.reason);
+}
+
+int main(int argc, char** argv) {
+  if (!std::filesystem::exists("/sys/class/infiniband") ||
+      std::filesystem::is_empty("/sys/class/infiniband")) {
+    if (std::getenv("RDMA_VM") != nullptr) {
+      std::fprintf(stderr, "FAIL: RDMA_VM is set but there is no RDMA device\n");
+      return 1;
+    }
+    std::fprintf(stderr, "skipped: no RDMA device (run inside ../shared/rdma-vm/run-in-vm)\n");
+    return 77;
+  }
+  ::signal(SIGPIPE, SIG_IGN);
+  doctest::Context ctx(argc, argv);
+  return ctx.run();
+}
