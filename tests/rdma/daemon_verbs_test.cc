@@ -209,7 +209,7 @@ TEST_CASE("verbs carries the full matrix between two daemons; a second communica
 
 TEST_CASE("a QP error fails the affected operations naming the node; the pair is rebuilt") {
   // n1 moves its QPs to the error state after 40 messages to n0.
-  VerbsCluster cl({{"COLLECTIVED_TEST_VERBS_QP_ERROR_AFTER", "40"}});
+  VerbsCluster cl(std::map<std::string, std::string>{{"COLLECTIVED_TEST_VERBS_QP_ERROR_AFTER", "40"}});
   run_layout(cl, {0, 1}, 1 << 16, [](RankCtx& c) {
     int failed = 0;
     for (int i = 0; i < 60 && failed == 0; ++i) {
@@ -282,7 +282,7 @@ TEST_CASE("a killed peer daemon fails operations naming it; restarted, it serves
 TEST_CASE("a daemon that cannot use verbs is served over tcp; the fallback is logged with its reason") {
   // n1 has no usable device (a name that does not exist): it starts, says why,
   // and refuses verbs; n0 falls back to tcp for it.
-  VerbsCluster cl({}, {"verbs.hcas=[nosuchdev0]"});
+  VerbsCluster cl(std::map<std::string, std::string>{}, {"verbs.hcas=[nosuchdev0]"});
   CHECK(!verbs_enabled(cl.nodes[1]));
   CHECK(cl.nodes[1].daemon->wait_for_log("verbs_unavailable", 10s));
   CHECK(cl.nodes[1].daemon->log().find("nosuchdev0") != std::string::npos);
