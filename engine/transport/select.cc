@@ -9,6 +9,7 @@
 #include <optional>
 #include <random>
 
+#include "engine/transport/verbs/devices.h"
 #include "engine/transport/verbs/gpudirect.h"
 #include "engine/transport/verbs/ibverbs_library.h"
 #include "engine/transport/verbs/verbs_node_transport.h"
@@ -168,7 +169,15 @@ void SelectingTransport::open_verbs() {
     return;
   }
   try {
-    lib_ = verbs::IbverbsLibrary::load();
+    // COLLECTIVED_TEST_IBVERBS_SONAME: tests of a machine without libibverbs.
+    const char* soname = std::getenv("COLLECTIVED_TEST_IBVERBS_SONAME");
+    lib_ = soname != nullptr ? verbs::IbverbsLibrary::load(soname) : verbs::IbverbsLibrary::load();
+    // No device at all (no HCA, no driver): say that, not what a named device's
+    // lookup would answer (ibv_get_device_list fails with ENOSYS without the
+    // kernel's InfiniBand core).
+    if (verbs::discover_devices(*lib_).empty()) {
+      throw Error(Code::unavailable, "no RDMA device: " + verbs::no_devices_reason());
+    }
     const verbs::Options options = verbs::Options::from_profile(profile_);
     std::optional<config::VerbsHca> hca;
     if (!options.hcas.empty()) hca = options.hcas.front();
