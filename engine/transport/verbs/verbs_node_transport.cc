@@ -186,41 +186,51 @@ void VerbsNodeTransport::fail_pair(const std::string& address, const std::string
 }
 
 void VerbsNodeTransport::sender_loop(Peer& p) {
+  // A write whose `done` was answered when it was posted (the message is
+  // copied into `staging`, so the caller's bytes are free), kept until its
+  // local completion returns `staging` to the spares. A write that fails
+  // after that breaks the pair, which reports the node down.
   struct InFlight {
     std::uint64_t id;
     std::shared_ptr<Pair> pair;
     Buffer staging;
-    Done done;
   };
   std::deque<InFlight> in_flight;
   std::vector<Buffer> spare;  // staging buffers from the registered pool, reused
   std::shared_ptr<Pair> last_pair;
   std::uint64_t next_tag = 1;
 
+  auto retire = [&](InFlight& f) {
+    if (spare.size() < kWindow) spare.push_back(std::move(f.staging));
+  };
+  // Completed writes, oldest first, without waiting.
+  auto reap = [&] {
+    while (!in_flight.empty()) {
+      try {
+        if (!in_flight.front().pair->written(in_flight.front().id)) return;
+      } catch (const Error&) {
+        // broken or dropped: the receiver reports the node down
+      }
+      retire(in_flight.front());
+      in_flight.pop_front();
+    }
+  };
+  // The oldest write, waiting for it (window full, pair replaced, closing).
   auto complete_oldest = [&] {
     InFlight f = std::move(in_flight.front());
     in_flight.pop_front();
-    Code code = Code::ok;
-    std::string why;
     try {
       f.pair->wait_written(f.id, Clock::now() + send_deadline_);
-    } catch (const Error& e) {
-      code = e.code();
-      why = e.what();
+    } catch (const Error&) {
+      // as above
     }
-    if (spare.size() < kWindow) spare.push_back(std::move(f.staging));
-    if (f.done) f.done(code, why);
+    retire(f);
   };
 
   while (true) {
     Item item;
     {
       std::unique_lock lock(p.mu);
-      if (p.queue.empty() && !in_flight.empty() && !p.stop) {
-        lock.unlock();
-        complete_oldest();
-        continue;
-      }
       p.cv.wait(lock, [&] { return p.stop || !p.queue.empty(); });
       if (p.stop) break;
       item = std::move(p.queue.front());
@@ -284,6 +294,8 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
       last_pair = pair;
       next_tag = 1;
     }
+    reap();
+    if (in_flight.size() >= kWindow) complete_oldest();
     try {
       const std::size_t n = item.first.size();
       Buffer staging;
@@ -297,14 +309,15 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
       if (!staging) staging = device_.allocate(std::max<std::size_t>(n, 4096));
       if (n > 0) std::memcpy(staging.data(), item.first.data(), n);
       const std::uint64_t id = pair->post_write(next_tag++, staging, 0, n);
-      in_flight.push_back({id, pair, std::move(staging), std::move(item.second)});
+      in_flight.push_back({id, pair, std::move(staging)});
       if (const std::uint64_t left = force_after_.load(); left > 0) {
         if (force_after_.fetch_sub(1) == 1) pair->force_error();
       }
     } catch (const Error& e) {
       if (item.second) item.second(e.code(), e.what());
+      continue;
     }
-    if (in_flight.size() >= kWindow) complete_oldest();
+    if (item.second) item.second(Code::ok, "");
   }
   while (!in_flight.empty()) complete_oldest();
 }

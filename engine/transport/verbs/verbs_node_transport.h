@@ -61,7 +61,9 @@ class VerbsNodeTransport final : public engine::NodeTransport {
   ~VerbsNodeTransport() override;
 
   /// Queues `message`; `done` runs on the peer's sender thread once the write
-  /// completed (or failed, with the pair's error naming the node).
+  /// is posted (the message is copied into a registered staging buffer), or
+  /// with the error (naming the node) when it cannot be. A write that fails
+  /// later breaks the pair, which reports the node down.
   void send(const std::string& address, std::vector<std::byte> message, Done done) override;
 
   /// Uses `pair` for `address` (replacing a previous one, which is closed

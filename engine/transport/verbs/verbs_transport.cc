@@ -838,6 +838,18 @@ void Pair::wait_written(std::uint64_t id, Clock::time_point deadline) {
          [&] { return "completion of write " + std::to_string(id); });
 }
 
+bool Pair::written(std::uint64_t id) const {
+  Impl& p = *impl_;
+  std::unique_lock lock(p.mu);
+  if (p.dropped.count(id) != 0) {
+    throw Error(Code::aborted, "verbs write " + std::to_string(id) + " to " + p.name() +
+                                   " was dropped when the connection was rebuilt");
+  }
+  if (id < p.next_id && p.ops.count(id) == 0) return true;
+  if (p.broken) p.throw_broken();
+  return false;
+}
+
 Chunk Pair::next_chunk(std::optional<std::uint64_t> tag, Clock::time_point deadline) {
   Impl& p = *impl_;
   std::unique_lock lock(p.mu);

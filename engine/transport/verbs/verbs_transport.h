@@ -132,6 +132,9 @@ class Pair {
                            std::size_t length, MessagePart part = {});
   /// Waits until write `id` completed locally (the source may be reused).
   void wait_written(std::uint64_t id, Clock::time_point deadline);
+  /// Whether write `id` completed locally, without waiting; throws as
+  /// wait_written does when it never will (the pair broke, it was dropped).
+  bool written(std::uint64_t id) const;
 
   /// The next received chunk with `tag` (nullopt: any tag); throws timeout at the deadline.
   /// While it waits for one tag, chunks of other tags that hold slots are copied
