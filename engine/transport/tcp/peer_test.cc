@@ -412,6 +412,10 @@ bool run_until(boost::asio::io_context& io, const std::function<bool()>& done,
   return done();
 }
 
+std::vector<std::byte> bytes_of(const engine::MessageBytes& m) {
+  return std::vector<std::byte>(m.data(), m.data() + m.size());
+}
+
 std::vector<std::byte> pattern(std::size_t n, unsigned k) {
   std::vector<std::byte> v(n);
   for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((k * 31 + i * 7) & 0xff);
@@ -444,8 +448,8 @@ TEST_CASE("two managers: chunked data across streams, in order, whole; pings; st
 
   std::vector<Received> got;
   b.manager->on_data(5, [&](const std::string& peer, std::uint64_t channel, std::uint64_t seq,
-                            std::vector<std::byte> payload) {
-    got.push_back({peer, channel, seq, std::move(payload)});
+                            engine::MessageBytes payload) {
+    got.push_back({peer, channel, seq, bytes_of(payload)});
   });
   const std::vector<std::size_t> sizes = {0,         1,       100, 64 * 1024 - 1, 64 * 1024,
                                           64 * 1024 + 1, (1 << 20) + 17, 3 << 20, 10, 5};
@@ -469,8 +473,8 @@ TEST_CASE("two managers: chunked data across streams, in order, whole; pings; st
   }
   std::vector<Received> late;
   b.manager->on_data(9, [&](const std::string& peer, std::uint64_t channel, std::uint64_t seq,
-                            std::vector<std::byte> payload) {
-    late.push_back({peer, channel, seq, std::move(payload)});
+                            engine::MessageBytes payload) {
+    late.push_back({peer, channel, seq, bytes_of(payload)});
   });
   REQUIRE(run_until(io, [&] { return late.size() == 1; }, std::chrono::seconds(5)));
   CHECK(late[0].payload == pattern(200000, 99));
@@ -478,8 +482,8 @@ TEST_CASE("two managers: chunked data across streams, in order, whole; pings; st
   // b answers on the connection a opened: no second connection.
   std::vector<Received> back;
   a.manager->on_data(5, [&](const std::string& peer, std::uint64_t channel, std::uint64_t seq,
-                            std::vector<std::byte> payload) {
-    back.push_back({peer, channel, seq, std::move(payload)});
+                            engine::MessageBytes payload) {
+    back.push_back({peer, channel, seq, bytes_of(payload)});
   });
   b.manager->send(a.address(), 5, pattern(300000, 3), {});
   REQUIRE(run_until(io, [&] { return back.size() == 1; }, std::chrono::seconds(5)));
@@ -562,7 +566,7 @@ TEST_CASE("bench: send throughput between two managers" * doctest::skip()) {
       constexpr int kMessages = 64;
       std::atomic<int> received{0};
       b.manager->on_data(1, [&](const std::string&, std::uint64_t, std::uint64_t,
-                                std::vector<std::byte> p) {
+                                engine::MessageBytes p) {
         if (p.size() == kMessage) ++received;
       });
       auto guard_a = boost::asio::make_work_guard(io_a);
