@@ -151,7 +151,7 @@ void SelectingTransport::start() {
   peers_.on_peer_down([this](const std::string& peer, const std::string& node, Code,
                              const std::string& why) { peer_down(peer, node, why); });
   peers_.on_data(kVerbsChannel, [this](const std::string& peer, std::uint64_t, std::uint64_t,
-                                       std::vector<std::byte> payload) {
+                                       engine::MessageBytes payload) {
     on_setup_message(peer, std::move(payload));
   });
   open_verbs();
@@ -199,7 +199,7 @@ void SelectingTransport::open_verbs() {
   gpudirect_reason_ = g.reason;
   verbs_ = std::make_unique<verbs::VerbsNodeTransport>(
       *device_, [this](const std::string& address) { connect(address); },
-      [this](const std::string& address, std::vector<std::byte> message) {
+      [this](const std::string& address, engine::MessageBytes message) {
         engine_.node_message(address, std::move(message));
       },
       [this](const std::string& address, const std::string& node, const std::string& why) {
@@ -223,7 +223,7 @@ void SelectingTransport::open_verbs() {
                                    {"fallback", "tcp, per peer"}});
 }
 
-void SelectingTransport::send(const std::string& address, std::vector<std::byte> message,
+void SelectingTransport::send(const std::string& address, engine::OutMessage message,
                               Done done) {
   if (!verbs_) {
     tcp_.send(address, std::move(message), std::move(done));
@@ -243,7 +243,7 @@ void SelectingTransport::send(const std::string& address, std::vector<std::byte>
 }
 
 void SelectingTransport::connect_failed(const std::string& address, const Error& why,
-                                        std::vector<std::pair<std::vector<std::byte>, Done>> items) {
+                                        std::vector<std::pair<engine::OutMessage, Done>> items) {
   if (why.code() == Code::remote || why.code() == Code::aborted) {
     // The peer daemon cannot be reached at all (TCP would fail the same way),
     // or this daemon stops: fail what waited, and try verbs again next time.
@@ -456,7 +456,7 @@ void SelectingTransport::finish(const std::string& address, const std::shared_pt
 }
 
 void SelectingTransport::on_setup_message(const std::string& peer,
-                                          std::vector<std::byte> payload) {
+                                          engine::MessageBytes payload) {
   if (payload.empty() || payload.size() % sizeof(capnp::word) != 0) {
     log_.warn("verbs_setup_refused", {{"peer", peer}, {"reason", "not a whole message"}});
     return;

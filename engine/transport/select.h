@@ -66,7 +66,7 @@ class SelectingTransport final : public engine::NodeTransport {
   /// Stops setting up verbs connections (waiters fail); at daemon shutdown.
   void shutdown();
 
-  void send(const std::string& address, std::vector<std::byte> message, Done done) override;
+  void send(const std::string& address, engine::OutMessage message, Done done) override;
 
   /// Adds the transport columns to StatusReply.peers (filled by
   /// tcp::fill_peer_status first) and fills StatusReply.verbs.
@@ -85,7 +85,7 @@ class SelectingTransport final : public engine::NodeTransport {
   bool verbs_first() const;
   // Verbs setup (the exchange over the peer link).
   void connect(const std::string& address);  // VerbsNodeTransport::Connector
-  void on_setup_message(const std::string& peer, std::vector<std::byte> payload);  // event loop
+  void on_setup_message(const std::string& peer, engine::MessageBytes payload);  // event loop
   void start_attempt(const std::string& address, Link& link, std::uint64_t attempt,
                      bool initiator, std::string peer_node);  // under mu_
   void run_attempt(const std::string& address, std::shared_ptr<Setup> setup);
@@ -94,7 +94,7 @@ class SelectingTransport final : public engine::NodeTransport {
   void send_setup(const std::string& address, std::vector<std::byte> bytes,
                   std::shared_ptr<Setup> setup);
   void connect_failed(const std::string& address, const Error& why,
-                      std::vector<std::pair<std::vector<std::byte>, Done>> items);
+                      std::vector<std::pair<engine::OutMessage, Done>> items);
   void peer_down(const std::string& address, const std::string& node, const std::string& why);
   class SetupChannel;
   friend class SetupChannel;

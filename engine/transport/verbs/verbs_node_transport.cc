@@ -121,17 +121,18 @@ void VerbsNodeTransport::install(Peer& p, std::unique_ptr<Pair> pair) {
     p.error.clear();
     p.receiver = std::thread([this, pp = &p, sp, retired] {
       struct Partial {
-        std::vector<std::byte> data;
+        engine::MessageBytes data;
         std::uint64_t got = 0;
       };
       std::map<std::uint64_t, Partial> partial;
-      std::map<std::uint64_t, std::vector<std::byte>> complete;
+      std::map<std::uint64_t, engine::MessageBytes> complete;
       std::uint64_t expected = 1;
       while (!retired->load()) {
         try {
           const Chunk c = sp->next_chunk(std::nullopt, Clock::now() + std::chrono::milliseconds(200));
           Partial& m = partial[c.tag];
-          if (m.data.size() != c.total) m.data.resize(c.total);
+          // Allocated once per message, not zero-filled: the chunks cover it.
+          if (m.data.size() != c.total) m.data = engine::MessageBytes(c.total);
           if (!c.data.empty()) std::memcpy(m.data.data() + c.offset, c.data.data(), c.data.size());
           m.got += c.data.size();
           sp->release(c);
@@ -297,7 +298,8 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
     reap();
     if (in_flight.size() >= kWindow) complete_oldest();
     try {
-      const std::size_t n = item.first.size();
+      const engine::OutMessage& m = item.first;
+      const std::size_t n = m.size();
       Buffer staging;
       for (auto it = spare.begin(); it != spare.end(); ++it) {
         if (it->size() >= std::max<std::size_t>(n, 1)) {
@@ -307,7 +309,16 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
         }
       }
       if (!staging) staging = device_.allocate(std::max<std::size_t>(n, 4096));
-      if (n > 0) std::memcpy(staging.data(), item.first.data(), n);
+      // Head and payload gathered into the registered buffer: the payload
+      // (the caller's memory, not registered with this device) is read here
+      // only, so `done` can run as soon as the write is posted.
+      std::byte* at = staging.data();
+      if (!m.head.empty()) std::memcpy(at, m.head.data(), m.head.size());
+      at += m.head.size();
+      for (const auto& piece : m.payload) {
+        if (!piece.empty()) std::memcpy(at, piece.data(), piece.size());
+        at += piece.size();
+      }
       const std::uint64_t id = pair->post_write(next_tag++, staging, 0, n);
       in_flight.push_back({id, pair, std::move(staging)});
       if (const std::uint64_t left = force_after_.load(); left > 0) {
@@ -339,7 +350,7 @@ std::vector<VerbsNodeTransport::Item> VerbsNodeTransport::take_queued(const std:
   return items;
 }
 
-void VerbsNodeTransport::send(const std::string& address, std::vector<std::byte> message,
+void VerbsNodeTransport::send(const std::string& address, engine::OutMessage message,
                               Done done) {
   std::shared_ptr<Peer> p = peer_for(address);
   {

@@ -41,7 +41,7 @@ struct VerbsPeerStatus {
 class VerbsNodeTransport final : public engine::NodeTransport {
  public:
   /// A whole message from the daemon at `address` (Engine::node_message).
-  using Deliver = std::function<void(const std::string& address, std::vector<std::byte> message)>;
+  using Deliver = std::function<void(const std::string& address, engine::MessageBytes message)>;
   /// The pair to `address` (node `node`) broke (Engine::node_down).
   using Down = std::function<void(const std::string& address, const std::string& node,
                                   const std::string& why)>;
@@ -49,7 +49,7 @@ class VerbsNodeTransport final : public engine::NodeTransport {
   /// it is or throwing Error why not. Runs on the peer's sender thread only
   /// (never inside send()). May be empty: pairs only via add_pair.
   using Connector = std::function<void(const std::string& address)>;
-  using Item = std::pair<std::vector<std::byte>, Done>;
+  using Item = std::pair<engine::OutMessage, Done>;
   /// The Connector failed: `items` (the message that needed the pair first,
   /// then whatever was queued behind it, in order) are handed over instead of
   /// failed. Called on the sender thread without any of this object's locks.
@@ -61,10 +61,12 @@ class VerbsNodeTransport final : public engine::NodeTransport {
   ~VerbsNodeTransport() override;
 
   /// Queues `message`; `done` runs on the peer's sender thread once the write
-  /// is posted (the message is copied into a registered staging buffer), or
+  /// is posted (head and payload pieces are gathered into one registered
+  /// staging buffer of the pool: the only copy; after it the payload is no
+  /// longer read), or
   /// with the error (naming the node) when it cannot be. A write that fails
   /// later breaks the pair, which reports the node down.
-  void send(const std::string& address, std::vector<std::byte> message, Done done) override;
+  void send(const std::string& address, engine::OutMessage message, Done done) override;
 
   /// Uses `pair` for `address` (replacing a previous one, which is closed
   /// without reporting the peer down).
