@@ -61,6 +61,9 @@ struct VerbsCluster {
                     "verbs.slots_per_peer=16",
                     "memory.host_pool_bytes=48MiB",
                     "deadlines.connect_ms=10000",
+                    // TCP heartbeats too: 3 x 200 ms (tests/support/nodes.h) is
+                    // missed under emulation on a busy host.
+                    "deadlines.heartbeat_ms=2000",
                     "deadlines.operation_ms=60000",
                     "workers.threads=2"};
       if (i == 1) {
