@@ -178,11 +178,7 @@ void SelectingTransport::open_verbs() {
     if (verbs::discover_devices(*lib_).empty()) {
       throw Error(Code::unavailable, "no RDMA device: " + verbs::no_devices_reason());
     }
-    verbs::Options options = verbs::Options::from_profile(profile_);
-    // EXPERIMENT (to be removed): progress-thread polling knobs.
-    if (const char* v = std::getenv("XV_SPIN_US")) options.spin_us = static_cast<std::uint32_t>(std::atoi(v));
-    if (const char* v = std::getenv("XV_YIELD_US")) options.yield_us = static_cast<std::uint32_t>(std::atoi(v));
-    if (const char* v = std::getenv("XV_WAIT_POLL_US")) options.wait_poll_us = static_cast<std::uint32_t>(std::atoi(v));
+    const verbs::Options options = verbs::Options::from_profile(profile_);
     std::optional<config::VerbsHca> hca;
     if (!options.hcas.empty()) hca = options.hcas.front();
     device_ = verbs::Device::open(lib_, options, profile_.node.name, hca);
