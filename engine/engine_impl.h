@@ -36,7 +36,13 @@ struct Desc {
 
   bool gpu = false;  // on GPU buffers, stream-ordered (engine/gpu/)
 
-  bool operator==(const Desc&) const = default;
+  /// Across nodes a GPU rank and a host rank agree (the GPU side is staged
+  /// through host memory, and other nodes' messages do not carry the flag);
+  /// local ranks must also agree on `gpu` (submit_slot checks it).
+  bool operator==(const Desc& o) const {
+    return kind == o.kind && dtype == o.dtype && redop == o.redop && count == o.count &&
+           root == o.root;
+  }
 
   std::string str() const {
     std::string s(to_string(kind));
@@ -1055,7 +1061,7 @@ struct Engine::Impl {
         slot.desc_rank = rank;
         // Other nodes may have sent their view of this operation already.
         if (comm.spans_nodes() && !check_remote_desc(comm, seq, out)) return;
-      } else if (!(slot.desc == desc)) {
+      } else if (!(slot.desc == desc) || slot.desc.gpu != desc.gpu) {
         // Named both ways, so that whoever reads either rank's error sees the pair.
         fail_slot(comm, slot, Code::mismatch,
                   "mismatched operations for sequence number " + std::to_string(seq) + ": " +

@@ -75,6 +75,7 @@ std::uint64_t env_bytes(const char* name, std::uint64_t fallback) {
 /// queued on a GPU stream is exactly when such a release would block.
 struct Graveyard {
   std::mutex mu;
+  std::condition_variable cv;
   std::vector<std::shared_ptr<void>> dead;
   bool open = true;  // false once the executor is gone: drop at once
   void bury(std::shared_ptr<void> p) {
@@ -86,6 +87,7 @@ struct Graveyard {
       return;
     }
     dead.push_back(std::move(p));
+    cv.notify_one();
   }
   std::vector<std::shared_ptr<void>> take() {
     std::lock_guard lock(mu);
@@ -342,6 +344,12 @@ class Stage final : public GpuStage {
 class CudaExecutor final : public GpuExecutor {
  public:
   CudaExecutor(Logger& log, const GpuOptions& options) : log_(log) {
+    // Every kernel loaded when the context is made. With lazy loading (the
+    // default since CUDA 12.2) the first launch of each kernel loads it, and
+    // loading may synchronize the context: a launch enqueued behind a stream
+    // that waits for a client's input (which may never come) then blocked the
+    // daemon's event loop -- the "client killed while queued" hang.
+    ::setenv("CUDA_MODULE_LOADING", "EAGER", 1);
     status_.mps = options.mps;
     mps_ = std::make_unique<MpsControl>(log, options.mps);
     status_.mps_reason = mps_->reason();
@@ -355,6 +363,7 @@ class CudaExecutor final : public GpuExecutor {
       return;
     }
     completer_ = std::thread([this] { complete_loop(); });
+    reaper_ = std::thread([this] { reap_loop(); });
   }
 
   ~CudaExecutor() override {
@@ -369,6 +378,8 @@ class CudaExecutor final : public GpuExecutor {
       std::lock_guard lock(graveyard_->mu);
       graveyard_->open = false;
     }
+    graveyard_->cv.notify_all();
+    if (reaper_.joinable()) reaper_.join();
     for (auto& g : graveyard_->take()) g.reset();
     for (auto& d : devices_) {
       cudaSetDevice(d.ordinal);
@@ -546,6 +557,16 @@ class CudaExecutor final : public GpuExecutor {
     p.who = op.who;
     for (auto& s : op.send) if (s.reg) p.spans.push_back(s);
     for (auto& s : op.recv) if (s.reg) p.spans.push_back(s);
+    // Open every mapping in each executing GPU's context now: before anything
+    // of this operation is enqueued, and outside the lock (opening a mapping
+    // may wait for the GPU, which a deadline must still be able to unblock).
+    for (int d : one_shot ? std::vector<int>{devs.front()} : devs) {
+      for (const auto* v : {&op.send, &op.recv}) {
+        for (const auto& sp : *v) {
+          if (sp.reg && sp.reg->device) sp.reg->device->data_on(d);
+        }
+      }
+    }
     std::lock_guard lock(mu_);
     auto take_event = [&](int dev) {
       cudaEvent_t e = take_event_locked(dev);
@@ -645,6 +666,13 @@ class CudaExecutor final : public GpuExecutor {
     p.deadline = op.deadline;
     p.who = op.who;
     p.releases_done = false;
+    // Pinned staging first, outside the lock (a first cudaHostAlloc of a size
+    // takes milliseconds, and may wait for the GPU).
+    for (int r = 0; r < n; ++r) {
+      if (!op.sync[r]) continue;
+      st->send[r] = st->take(op.send[r].bytes);
+      st->recv[r] = st->take(op.recv[r].bytes);
+    }
     std::lock_guard lock(mu_);
     auto take_event = [&](int dev) {
       cudaEvent_t e = take_event_locked(dev);
@@ -673,8 +701,6 @@ class CudaExecutor final : public GpuExecutor {
                                             s->ticket, cu::kStreamWaitValueGeq),
                    "cuStreamWaitValue32 on " + op.who[r] + "'s ready word");
       }
-      st->send[r] = st->take(gs.bytes);
-      st->recv[r] = st->take(gr.bytes);
       if (gs.bytes != 0) {
         const std::byte* src = gs.reg->device->data_on(dev) + (gs.ptr - gs.reg->device->data());
         check_rt(cudaMemcpyAsync(st->send[r].ptr, src, gs.bytes, cudaMemcpyDeviceToHost, stream),
@@ -831,21 +857,25 @@ class CudaExecutor final : public GpuExecutor {
       throw Error(Code::invalid_argument, "cudaMalloc memory: IPC handle of " +
                                               std::to_string(a.handle.size()) + " bytes");
     }
-    std::lock_guard lock(mu_);
-    auto& slot = legacy_cache_[a.handle];
-    if (auto m = slot.lock()) {
-      if (m->size < a.size) {
-        throw Error(Code::invalid_argument, "cudaMalloc memory: registered size " +
-                                                std::to_string(a.size) + " exceeds the allocation");
+    {
+      std::lock_guard lock(mu_);
+      if (auto m = legacy_cache_[a.handle].lock()) {
+        if (m->size < a.size) {
+          throw Error(Code::invalid_argument, "cudaMalloc memory: registered size " +
+                                                  std::to_string(a.size) + " exceeds the allocation");
+        }
+        return m;
       }
-      return m;
     }
+    // Opened outside the lock (it may wait for the GPU). Registrations come
+    // from the event loop one at a time, so nobody opens the same handle meanwhile.
     auto m = std::make_shared<LegacyIpcMapping>();
     std::memcpy(&m->handle, a.handle.data(), sizeof m->handle);
     m->size = a.size;
     m->device = dev;
     m->open_first();
-    slot = m;
+    std::lock_guard lock(mu_);
+    legacy_cache_[a.handle] = m;
     // Drop cache entries of closed mappings now and then.
     if (legacy_cache_.size() > 1024) {
       for (auto it = legacy_cache_.begin(); it != legacy_cache_.end();) {
@@ -1040,12 +1070,11 @@ class CudaExecutor final : public GpuExecutor {
   /// (cudaEventQuery: nothing here waits on the GPU without a bound), answers
   /// each when its GPU work is done, and answers at the deadline those that
   /// are not, naming the ranks whose input never became ready and releasing
-  /// every rank's stream from the CPU. Also drops buried CUDA resources.
+  /// every rank's stream from the CPU.
   void complete_loop() {
     int idle = 0;
     std::uint64_t seen = 0;
     for (;;) {
-      for (auto& g : graveyard_->take()) g.reset();
       std::vector<Pending> finished;
       std::vector<std::pair<std::function<void(Code, std::string)>, std::string>> expired;
       bool waiting = false;
@@ -1133,6 +1162,22 @@ class CudaExecutor final : public GpuExecutor {
     }
   }
 
+  /// Drops buried CUDA resources, on a thread of its own: a release that
+  /// waits for the GPU must not hold up the completion thread (which is what
+  /// unblocks the GPU at a deadline).
+  void reap_loop() {
+    for (;;) {
+      std::vector<std::shared_ptr<void>> dead;
+      {
+        std::unique_lock lock(graveyard_->mu);
+        graveyard_->cv.wait(lock, [&] { return !graveyard_->open || !graveyard_->dead.empty(); });
+        if (!graveyard_->open) return;
+        dead = std::exchange(graveyard_->dead, {});
+      }
+      dead.clear();
+    }
+  }
+
   /// The deadline passed with `p` still on the GPU (under mu_): names the
   /// ranks whose input is not ready, then lets the daemon's streams past those
   /// inputs and releases every rank's stream from the CPU (outputs undefined).
@@ -1185,6 +1230,7 @@ class CudaExecutor final : public GpuExecutor {
   std::shared_ptr<Graveyard> graveyard_ = std::make_shared<Graveyard>();
   std::shared_ptr<PinnedPool> pinned_ = std::make_shared<PinnedPool>();
   std::thread completer_;
+  std::thread reaper_;
 };
 
 }  // namespace
