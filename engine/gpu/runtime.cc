@@ -1078,6 +1078,8 @@ class CudaExecutor final : public GpuExecutor {
       std::vector<Pending> finished;
       std::vector<std::pair<std::function<void(Code, std::string)>, std::string>> expired;
       bool waiting = false;
+      bool stopping = false;
+      std::vector<Pending*> snapshot;
       {
         std::unique_lock lock(mu_);
         if (pending_.empty()) {
@@ -1095,32 +1097,52 @@ class CudaExecutor final : public GpuExecutor {
           seen = generation_;
           idle = 0;
         }
-        const auto now = Clock::now();
-        for (auto it = pending_.begin(); it != pending_.end();) {
-          Pending& p = *it;
-          bool done = true;
-          for (auto& [dev, e] : p.tails) {
-            const cudaError_t r = cudaEventQuery(e);
-            if (r == cudaErrorNotReady) {
-              done = false;
-              break;
-            }
-            if (r != cudaSuccess && p.failure.empty()) {
-              p.failure = std::string("GPU ") + std::to_string(dev) + ": " + cudaGetErrorName(r) +
-                          " (" + cudaGetErrorString(r) + ")";
-              p.failure_code = Code::system;
+        stopping = stopping_;
+        for (auto& p : pending_) snapshot.push_back(&p);
+      }
+      // Query outside the lock (the event loop enqueues under it). Entries of
+      // pending_ stay put (std::list) and only this thread removes them; their
+      // tails and deadlines do not change once queued.
+      const auto now = Clock::now();
+      std::vector<Pending*> done_now;
+      bool due = stopping;
+      for (Pending* p : snapshot) {
+        bool done = true;
+        for (auto& [dev, e] : p->tails) {
+          const cudaError_t r = cudaEventQuery(e);
+          if (r == cudaErrorNotReady) {
+            done = false;
+            break;
+          }
+          if (r != cudaSuccess) {
+            std::lock_guard lock(mu_);
+            if (p->failure.empty()) {
+              p->failure = std::string("GPU ") + std::to_string(dev) + ": " + cudaGetErrorName(r) +
+                           " (" + cudaGetErrorString(r) + ")";
+              p->failure_code = Code::system;
             }
           }
-          if (done) {
+        }
+        if (done) {
+          done_now.push_back(p);
+        } else {
+          waiting = true;
+          if (!p->answered && now >= p->deadline) due = true;
+        }
+      }
+      if (!done_now.empty() || due) {
+        std::lock_guard lock(mu_);
+        for (auto it = pending_.begin(); it != pending_.end();) {
+          Pending& p = *it;
+          if (std::find(done_now.begin(), done_now.end(), &p) != done_now.end()) {
             finished.push_back(std::move(p));
             it = pending_.erase(it);
             continue;
           }
-          waiting = true;
-          if (!p.answered && (now >= p.deadline || stopping_)) {
+          if (!p.answered && (now >= p.deadline || stopping)) {
             p.answered = true;
             std::string why = expire(p);
-            if (stopping_) why = "the daemon is stopping; " + why;
+            if (stopping) why = "the daemon is stopping; " + why;
             expired.emplace_back(std::move(p.done), std::move(why));
           }
           ++it;
