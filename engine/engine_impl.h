@@ -167,6 +167,9 @@ struct Executor {
   std::condition_variable cv;
   std::deque<std::function<void()>> jobs;
   bool closed = false;
+  /// Scratch memory of the operations (NodeChannel::scratch); only the
+  /// executor's thread touches it.
+  std::shared_ptr<MessageBytes> scratch;
 };
 
 struct Comm {
@@ -536,8 +539,10 @@ struct Engine::Impl {
   void fail_rendezvous(const std::string& key, struct Rendezvous& rv, Code code,
                        const std::string& why, int except_rank, std::vector<Delivery>& out);
   /// Sends a message built by `fill` to `address` (errors are logged).
-  void send_node(const std::string& address, std::vector<std::byte> message);
-  void handle_node_message(const std::string& peer, std::vector<std::byte> bytes,
+  /// Sends `message` to the node at `address`; a failure breaks what spans
+  /// that node. `also` (optional) hears the outcome too.
+  void send_node(const std::string& address, OutMessage message, NodeTransport::Done also = nullptr);
+  void handle_node_message(const std::string& peer, MessageBytes bytes,
                            std::vector<Delivery>& out, std::vector<std::function<void()>>& tasks);
   void handle_node_down(const std::string& address, const std::string& node, const std::string& why,
                         std::vector<Delivery>& out, std::vector<std::function<void()>>& tasks);
