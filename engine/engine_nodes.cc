@@ -133,6 +133,7 @@ class EngineChannel final : public NodeChannel {
     std::mutex mu;
     std::condition_variable cv;
     int outstanding = 0;
+    std::map<int, int> by_node;  // node -> sends not yet done
     Code code = Code::ok;
     std::string why;
   };
@@ -165,11 +166,13 @@ class EngineChannel final : public NodeChannel {
     {
       std::lock_guard l(sends_->mu);
       ++sends_->outstanding;
+      ++sends_->by_node[to];
     }
     I_.send_node(comm_->node_address[to], encode(mb, pieces, std::move(keep)),
-                 [sends = sends_, node = comm_->node_text(to)](Code code, const std::string& why) {
+                 [sends = sends_, to, node = comm_->node_text(to)](Code code, const std::string& why) {
                    std::lock_guard l(sends->mu);
                    --sends->outstanding;
+                   if (--sends->by_node[to] == 0) sends->by_node.erase(to);
                    if (code != Code::ok && sends->code == Code::ok) {
                      sends->code = code;
                      sends->why = "sending to node " + node + " failed: " + why;
@@ -181,11 +184,16 @@ class EngineChannel final : public NodeChannel {
   void flush() override {
     std::unique_lock l(sends_->mu);
     if (!sends_->cv.wait_until(l, deadline_, [&] { return sends_->outstanding == 0; })) {
+      std::string nodes;
+      for (const auto& [j, n] : sends_->by_node) {
+        nodes += (nodes.empty() ? "" : "; ") + std::string("node ") + comm_->node_text(j) +
+                 " (hosts " + ranks_text(*comm_, j) + "): " + std::to_string(n) + " message(s)";
+      }
       throw Error(Code::timeout, "timed out after " + std::to_string(budget_.count()) +
                                      " ms (deadlines.operation_ms) on node " +
-                                     I_.options.node_name + " sending " +
-                                     std::to_string(sends_->outstanding) +
-                                     " message(s) to other nodes: a peer connection is stalled");
+                                     I_.options.node_name +
+                                     " while sending; not taken by the connection to " + nodes +
+                                     " (the peer is not reading: stopped, or its connection stalled)");
     }
     if (sends_->code != Code::ok) throw Error(sends_->code, sends_->why);
   }
