@@ -34,6 +34,9 @@
 // (and on node1 for cut-peer) also the peer table: one peer, ready, with the
 // same number of TCP streams as before.
 // Prints "KIND: survived X/N" and exits 0 only if every run passed.
+// nodes.h (the Node helper) includes doctest; this is no doctest program:
+// its assertion macros compile to nothing here and no test registry is linked.
+#define DOCTEST_CONFIG_DISABLE
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -446,6 +449,8 @@ std::string run_peer_once(const Args& a, Cluster& cl, int run) {
     go1.signal();
     if (why.empty()) why = check(rank1, ans1, "rank 1", "node0");
   }
+  // Whichever rank was not waited for above (harmless for one that was:
+  // Child::kill and wait do nothing once it has been reaped).
   rank0.kill(SIGKILL);
   rank1.kill(SIGKILL);
   rank0.wait(5s);
