@@ -682,8 +682,10 @@ void ClientSession::close(std::string_view reason) {
   close_timer_.cancel();
   // The engine first: its ranks of this client are dead, its peers are told.
   host_.engine().client_gone(id_);
-  const std::size_t released = host_.registry().remove_all(id_);
+  // The GPU executor next: it lets the daemon's streams past this client's
+  // inputs still queued there before its registrations go.
   host_.gpu().client_gone(id_);
+  const std::size_t released = host_.registry().remove_all(id_);
   host_.logger().info("client_closed", {{"session", id_},
                                         {"pid", cred_.pid},
                                         {"client", name_},

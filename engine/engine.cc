@@ -118,10 +118,11 @@ void Engine::comm_init(const ClientRef& client, std::uint64_t request, const std
       j.setNode(I.options.node_name);
       const auto words = capnp::messageToFlatArray(mb);
       const auto bytes = words.asBytes();
-      std::vector<std::byte> msg(8 + bytes.size());
+      OutMessage msg;
+      msg.head.resize(8 + bytes.size());
       const auto nwords = static_cast<std::uint32_t>(words.size());
-      std::memcpy(msg.data(), &nwords, 4);
-      std::memcpy(msg.data() + 8, bytes.begin(), bytes.size());
+      std::memcpy(msg.head.data(), &nwords, 4);
+      std::memcpy(msg.head.data() + 8, bytes.begin(), bytes.size());
       I.transport.load()->send(rendezvous, std::move(msg),
                         [&I, key, rank, rendezvous](Code code, const std::string& why) {
                           if (code == Code::ok) return;

@@ -128,7 +128,7 @@ class Engine {
   /// Chunking and algorithm choice between nodes (profile keys collectives.*).
   void set_node_algorithms(const NodeAlgorithmOptions& options);
   /// A message another node's daemon (at `peer`) sent to this engine.
-  void node_message(const std::string& peer, std::vector<std::byte> message);
+  void node_message(const std::string& peer, MessageBytes message);
   /// The connection to the daemon at `address` (node `node`) ended: every
   /// communicator spanning it breaks with an error naming it and `why`.
   void node_down(const std::string& address, const std::string& node, const std::string& why);

@@ -36,7 +36,13 @@ struct Desc {
 
   bool gpu = false;  // on GPU buffers, stream-ordered (engine/gpu/)
 
-  bool operator==(const Desc&) const = default;
+  /// Across nodes a GPU rank and a host rank agree (the GPU side is staged
+  /// through host memory, and other nodes' messages do not carry the flag);
+  /// local ranks must also agree on `gpu` (submit_slot checks it).
+  bool operator==(const Desc& o) const {
+    return kind == o.kind && dtype == o.dtype && redop == o.redop && count == o.count &&
+           root == o.root;
+  }
 
   std::string str() const {
     std::string s(to_string(kind));
@@ -82,6 +88,9 @@ struct Slot {
   bool failed = false;
   Result failure;
   bool started = false;
+  /// GPU buffers on a communicator spanning nodes: the pinned host staging
+  /// the host collective runs on (engine/gpu/executor.h).
+  std::shared_ptr<gpu::GpuStage> gpu_stage;
 };
 
 struct P2PItem {
@@ -158,6 +167,9 @@ struct Executor {
   std::condition_variable cv;
   std::deque<std::function<void()>> jobs;
   bool closed = false;
+  /// Scratch memory of the operations (NodeChannel::scratch); only the
+  /// executor's thread touches it.
+  std::shared_ptr<MessageBytes> scratch;
 };
 
 struct Comm {
@@ -527,8 +539,10 @@ struct Engine::Impl {
   void fail_rendezvous(const std::string& key, struct Rendezvous& rv, Code code,
                        const std::string& why, int except_rank, std::vector<Delivery>& out);
   /// Sends a message built by `fill` to `address` (errors are logged).
-  void send_node(const std::string& address, std::vector<std::byte> message);
-  void handle_node_message(const std::string& peer, std::vector<std::byte> bytes,
+  /// Sends `message` to the node at `address`; a failure breaks what spans
+  /// that node. `also` (optional) hears the outcome too.
+  void send_node(const std::string& address, OutMessage message, NodeTransport::Done also = nullptr);
+  void handle_node_message(const std::string& peer, MessageBytes bytes,
                            std::vector<Delivery>& out, std::vector<std::function<void()>>& tasks);
   void handle_node_down(const std::string& address, const std::string& node, const std::string& why,
                         std::vector<Delivery>& out, std::vector<std::function<void()>>& tasks);
@@ -628,7 +642,7 @@ struct Engine::Impl {
     slot.started = true;
     const std::uint64_t seq = slot.seq;
     if (slot.desc.gpu) {
-      start_gpu_slot(comm, slot, out);
+      start_gpu_slot(cp, slot, out);
       return;
     }
     if (comm.spans_nodes()) {
@@ -670,7 +684,8 @@ struct Engine::Impl {
   // ---- GPU hook: the executor enqueues the operation on the GPUs; the slot
   // leaves the queues at once (the next operation may be enqueued behind it,
   // stream order keeps them in order), and the answers wait for the GPU.
-  void start_gpu_slot(Comm& comm, Slot& slot, std::vector<Delivery>& out) {
+  void start_gpu_slot(const std::shared_ptr<Comm>& cp, Slot& slot, std::vector<Delivery>& out) {
+    Comm& comm = *cp;
     gpu::GpuCollective op;
     op.comm = comm.name;
     op.seq = slot.seq;
@@ -679,20 +694,22 @@ struct Engine::Impl {
     op.redop = slot.desc.redop;
     op.count = slot.desc.count;
     op.root = slot.desc.root;
-    for (auto& part : slot.parts) {
+    op.deadline = slot.deadline;
+    for (int r = 0; r < comm.nranks; ++r) {
+      const Part& part = slot.parts[r];
       op.send.push_back(part.send);
       op.recv.push_back(part.recv);
       op.sync.push_back(part.gpu_sync);
+      op.who.push_back(comm.who(r));
     }
     const std::uint64_t seq = slot.seq;
+    if (comm.spans_nodes()) {
+      start_gpu_staged(cp, slot, std::move(op), out);
+      return;
+    }
     auto answers = std::make_shared<std::vector<Delivery>>();
     complete_slot(comm, seq, *answers);
     try {
-      if (comm.spans_nodes()) {
-        throw Error(Code::unavailable,
-                    "collectives on GPU buffers across nodes (host staging over TCP) are not "
-                    "implemented yet; this communicator spans nodes");
-      }
       gpu->run(std::move(op), [this, answers, seq](Code code, std::string message) {
         if (code != Code::ok) {
           for (auto& d : *answers) d.result = error(code, message, seq);
@@ -707,10 +724,68 @@ struct Engine::Impl {
     }
   }
 
-  void complete_slot(Comm& comm, std::uint64_t seq, std::vector<Delivery>& out) {
+  /// GPU buffers across nodes: the local ranks' inputs go to pinned host
+  /// staging (the executor's GPU copies), the engine's host collective across
+  /// nodes runs on the staging (run_across_nodes), and complete_slot hands the
+  /// answers to the executor, which copies the outputs back and releases the
+  /// ranks' streams before they go out.
+  void start_gpu_staged(const std::shared_ptr<Comm>& cp, Slot& slot, gpu::GpuCollective op,
+                        std::vector<Delivery>& out) {
+    const std::uint64_t seq = slot.seq;
+    std::weak_ptr<Comm> weak = cp;
+    try {
+      slot.gpu_stage = gpu->stage_in(std::move(op), [this, weak, seq](Code code, std::string why) {
+        auto comm = weak.lock();
+        if (!comm) return;
+        std::vector<Delivery> done;
+        std::vector<std::function<void()>> next;
+        {
+          std::lock_guard lock(mu);
+          auto it = comm->slots.find(seq);
+          if (it == comm->slots.end() || it->second.failed || !it->second.gpu_stage) return;
+          Slot& s = it->second;
+          if (code != Code::ok) {
+            send_slot_failed(*comm, seq, code, why);
+            log.warn("operation_failed", {{"comm", comm->name},
+                                          {"seq", seq},
+                                          {"op", to_string(s.desc.kind)},
+                                          {"reason", why}});
+            fail_slot(*comm, s, code, why, done);
+            end_slot(*comm, it);
+            progress(comm, done, next);
+          } else {
+            // The host collective runs on the staging; the GPU spans stay
+            // alive in the stage until the outputs are copied back.
+            const auto& st = s.gpu_stage;
+            for (int r = 0; r < comm->nranks; ++r) {
+              if (!s.parts[r].present) continue;
+              auto host = [&](const Span& h) {
+                return Span{std::shared_ptr<Registration>(st, &st->host), h.ptr, h.bytes};
+              };
+              s.parts[r].send = host(st->send[r]);
+              s.parts[r].recv = host(st->recv[r]);
+            }
+            start_across_nodes(comm, seq);
+          }
+        }
+        pool.submit_all(std::move(next));
+        deliver(done);
+      });
+    } catch (const Error& e) {
+      send_slot_failed(*cp, seq, e.code(), e.what());
+      auto it = cp->slots.find(seq);
+      fail_slot(*cp, slot, e.code(), e.what(), out);
+      if (it != cp->slots.end()) end_slot(*cp, it);
+    }
+  }
+
+  void complete_slot(Comm& comm, std::uint64_t seq, std::vector<Delivery>& out_) {
     auto it = comm.slots.find(seq);
     if (it == comm.slots.end()) return;
     Slot& slot = it->second;
+    // Staged GPU operation: the answers wait for the copies back to the GPUs.
+    std::vector<Delivery> staged;
+    std::vector<Delivery>& out = slot.gpu_stage ? staged : out_;
     for (int r = 0; r < comm.nranks; ++r) {
       Part& part = slot.parts[r];
       Member& m = comm.members[r];
@@ -725,6 +800,22 @@ struct Engine::Impl {
     }
     ++completed;
     observe_slot(comm, slot, Code::ok);
+    if (slot.gpu_stage) {
+      auto answers = std::make_shared<std::vector<Delivery>>(std::move(staged));
+      try {
+        gpu->stage_out(std::move(slot.gpu_stage), [this, answers, seq](Code code, std::string message) {
+          if (code != Code::ok) {
+            for (auto& d : *answers) d.result = error(code, message, seq);
+          }
+          deliver(*answers);
+        });
+      } catch (const Error& e) {
+        for (auto& d : *answers) {
+          d.result = error(e.code(), e.what(), seq);
+          out_.push_back(std::move(d));
+        }
+      }
+    }
     end_slot(comm, it);
   }
 
@@ -975,7 +1066,7 @@ struct Engine::Impl {
         slot.desc_rank = rank;
         // Other nodes may have sent their view of this operation already.
         if (comm.spans_nodes() && !check_remote_desc(comm, seq, out)) return;
-      } else if (!(slot.desc == desc)) {
+      } else if (!(slot.desc == desc) || slot.desc.gpu != desc.gpu) {
         // Named both ways, so that whoever reads either rank's error sees the pair.
         fail_slot(comm, slot, Code::mismatch,
                   "mismatched operations for sequence number " + std::to_string(seq) + ": " +

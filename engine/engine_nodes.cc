@@ -33,34 +33,37 @@ namespace {
 
 constexpr std::size_t kPrefix = 8;  // [u32 header words][u32 0]
 
-std::vector<std::byte> encode(capnp::MessageBuilder& mb,
-                              std::span<const std::span<const std::byte>> raw = {}) {
+/// A message: [u32 header words][u32 0][header][raw bytes]. The raw bytes
+/// are `raw`, read in place by the transport (zero copy); `keep` owns them if
+/// they may outlive the sender.
+OutMessage encode(capnp::MessageBuilder& mb, std::span<const std::span<const std::byte>> raw = {},
+                  std::shared_ptr<const void> keep = nullptr) {
   const auto words = capnp::messageToFlatArray(mb);
   const auto header = words.asBytes();
-  std::size_t raw_bytes = 0;
-  for (const auto& p : raw) raw_bytes += p.size();
-  // reserve + insert: the payload is copied once, never zero-filled first.
-  std::vector<std::byte> out;
-  out.reserve(kPrefix + header.size() + raw_bytes);
+  OutMessage out;
+  out.head.reserve(kPrefix + header.size());
   const auto nwords = static_cast<std::uint32_t>(words.size());
   const std::array<std::uint32_t, 2> prefix{nwords, 0};
   const auto* pb = reinterpret_cast<const std::byte*>(prefix.data());
-  out.insert(out.end(), pb, pb + kPrefix);
+  out.head.insert(out.head.end(), pb, pb + kPrefix);
   const auto* hb = reinterpret_cast<const std::byte*>(header.begin());
-  out.insert(out.end(), hb, hb + header.size());
-  for (const auto& p : raw) out.insert(out.end(), p.begin(), p.end());
+  out.head.insert(out.head.end(), hb, hb + header.size());
+  for (const auto& p : raw) {
+    if (!p.empty()) out.payload.push_back(p);
+  }
+  out.keep = std::move(keep);
   return out;
 }
 
 /// A received message: its header, and where its raw bytes start.
 struct Decoded {
-  std::vector<std::byte> bytes;
+  MessageBytes bytes;
   std::unique_ptr<capnp::FlatArrayMessageReader> reader;
   nodewire::NodeMessage::Reader msg;
   std::size_t raw_offset = 0;
 };
 
-std::unique_ptr<Decoded> decode(std::vector<std::byte> bytes) {
+std::unique_ptr<Decoded> decode(MessageBytes bytes) {
   if (bytes.size() < kPrefix) throw Error(Code::protocol, "message shorter than its prefix");
   std::uint32_t nwords = 0;
   std::memcpy(&nwords, bytes.data(), 4);
@@ -71,7 +74,7 @@ std::unique_ptr<Decoded> decode(std::vector<std::byte> bytes) {
   }
   auto d = std::make_unique<Decoded>();
   d->bytes = std::move(bytes);
-  // The vector's storage is aligned for any scalar type, so the words are too.
+  // MessageBytes is aligned for any scalar type, so the words are too.
   kj::ArrayPtr<const capnp::word> words(reinterpret_cast<const capnp::word*>(d->bytes.data() + kPrefix),
                                         nwords);
   capnp::ReaderOptions limits;
@@ -124,7 +127,27 @@ class EngineChannel final : public NodeChannel {
   int node() const override { return comm_->my_node; }
   int nodes() const override { return static_cast<int>(comm_->node_address.size()); }
 
-  void send(int to, std::uint64_t tag, std::span<const std::span<const std::byte>> pieces) override {
+  /// Completion of this operation's sends; shared with their callbacks, which
+  /// may run after the channel is gone (a failed operation does not wait).
+  struct Sends {
+    std::mutex mu;
+    std::condition_variable cv;
+    int outstanding = 0;
+    std::map<int, int> by_node;  // node -> sends not yet done
+    Code code = Code::ok;
+    std::string why;
+  };
+  /// What every send of the operation keeps alive: the ranks' registrations
+  /// (their mappings), the scratch buffer, and the sender's own `owner`.
+  struct Keep {
+    std::shared_ptr<const void> op, scratch, owner;
+  };
+
+  /// Memory that the operation's sends read from and that must outlive them.
+  void keep_alive(std::shared_ptr<const void> op) { keep_ = std::move(op); }
+
+  void send(int to, std::uint64_t tag, std::span<const std::span<const std::byte>> pieces,
+            std::shared_ptr<const void> owner) override {
     capnp::MallocMessageBuilder mb(128);
     auto m = mb.initRoot<nodewire::NodeMessage>();
     m.setFrom(I_.options.rendezvous_address);
@@ -139,7 +162,49 @@ class EngineChannel final : public NodeChannel {
     d.setCount(desc_.count);
     d.setRoot(desc_.root);
     d.setDescRank(static_cast<std::uint32_t>(desc_rank_));
-    I_.send_node(comm_->node_address[to], encode(mb, pieces));
+    auto keep = std::make_shared<Keep>(Keep{keep_, scratch_, std::move(owner)});
+    {
+      std::lock_guard l(sends_->mu);
+      ++sends_->outstanding;
+      ++sends_->by_node[to];
+    }
+    I_.send_node(comm_->node_address[to], encode(mb, pieces, std::move(keep)),
+                 [sends = sends_, to, node = comm_->node_text(to)](Code code, const std::string& why) {
+                   std::lock_guard l(sends->mu);
+                   --sends->outstanding;
+                   if (--sends->by_node[to] == 0) sends->by_node.erase(to);
+                   if (code != Code::ok && sends->code == Code::ok) {
+                     sends->code = code;
+                     sends->why = "sending to node " + node + " failed: " + why;
+                   }
+                   sends->cv.notify_all();
+                 });
+  }
+
+  void flush() override {
+    std::unique_lock l(sends_->mu);
+    if (!sends_->cv.wait_until(l, deadline_, [&] { return sends_->outstanding == 0; })) {
+      std::string nodes;
+      for (const auto& [j, n] : sends_->by_node) {
+        nodes += (nodes.empty() ? "" : "; ") + std::string("node ") + comm_->node_text(j) +
+                 " (hosts " + ranks_text(*comm_, j) + "): " + std::to_string(n) + " message(s)";
+      }
+      throw Error(Code::timeout, "timed out after " + std::to_string(budget_.count()) +
+                                     " ms (deadlines.operation_ms) on node " +
+                                     I_.options.node_name +
+                                     " while sending; not taken by the connection to " + nodes +
+                                     " (the peer is not reading: stopped, or its connection stalled)");
+    }
+    if (sends_->code != Code::ok) throw Error(sends_->code, sends_->why);
+  }
+
+  std::byte* scratch(std::size_t bytes) override {
+    // The executor's buffer, reused by the communicator's operations (they run
+    // one at a time on its thread): fresh pages cost a fault each.
+    auto& s = comm_->exec->scratch;
+    if (!s || s->size() < bytes) s = std::make_shared<MessageBytes>(std::max<std::size_t>(bytes, 64));
+    scratch_ = s;
+    return s->data();
   }
 
   NodePayload recv(int from, std::uint64_t tag) override {
@@ -197,6 +262,9 @@ class EngineChannel final : public NodeChannel {
   int desc_rank_;
   Clock::time_point deadline_;
   std::chrono::milliseconds budget_;
+  std::shared_ptr<Sends> sends_ = std::make_shared<Sends>();
+  std::shared_ptr<const void> keep_;
+  std::shared_ptr<const MessageBytes> scratch_;
 };
 
 }  // namespace
@@ -271,10 +339,15 @@ void Engine::Impl::purge_inbox(Comm& comm, std::uint64_t seq) {
 
 // ---- sending -----------------------------------------------------------------------------
 
-void Engine::Impl::send_node(const std::string& address, std::vector<std::byte> message) {
+void Engine::Impl::send_node(const std::string& address, OutMessage message,
+                             NodeTransport::Done also) {
   NodeTransport* t = transport.load();
-  if (!t) return;
-  t->send(address, std::move(message), [this, address](Code code, const std::string& why) {
+  if (!t) {
+    if (also) also(Code::unavailable, "no transport between nodes");
+    return;
+  }
+  t->send(address, std::move(message), [this, address, also = std::move(also)](Code code, const std::string& why) {
+    if (also) also(code, why);
     if (code == Code::ok) return;
     // The node cannot be reached: what depends on it fails now, naming it,
     // rather than at its deadline.
@@ -601,6 +674,9 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
     }
   }
   EngineChannel ch(*this, cp, seq, desc, desc_rank, deadline, options.operation_deadline);
+  // Sends read the ranks' buffers in place; should the operation fail before
+  // they are done, their mappings stay until then.
+  ch.keep_alive(std::make_shared<const std::vector<Span>>(keep));
   Code code = Code::ok;
   std::string why;
   std::vector<std::pair<int, int>> color_key;
@@ -768,7 +844,8 @@ void Engine::Impl::start_remote_item(const std::shared_ptr<Comm>& cp,
       d.setDtype(static_cast<std::uint8_t>(dtype));
       d.setFromNode(static_cast<std::uint32_t>(cp->my_node));
       const std::span<const std::byte> piece(span.ptr, span.bytes);
-      auto bytes = encode(mb, std::span<const std::span<const std::byte>>(&piece, 1));
+      // Read in place; the registration keeps the mapping alive until sent.
+      auto bytes = encode(mb, std::span<const std::span<const std::byte>>(&piece, 1), span.reg);
       NodeTransport* t = transport.load();
       if (!t) return;
       // The send is done (eagerly) once the bytes are in the connection.
@@ -817,7 +894,7 @@ void Engine::Impl::start_remote_item(const std::shared_ptr<Comm>& cp,
 
 // ---- what arrives from other nodes -------------------------------------------------------
 
-void Engine::Impl::handle_node_message(const std::string& peer, std::vector<std::byte> bytes,
+void Engine::Impl::handle_node_message(const std::string& peer, MessageBytes bytes,
                                        std::vector<Delivery>& out,
                                        std::vector<std::function<void()>>& tasks) {
   auto d = decode(std::move(bytes));
@@ -1122,7 +1199,7 @@ void Engine::set_node_algorithms(const NodeAlgorithmOptions& options) {
   impl_->algorithms = options;
 }
 
-void Engine::node_message(const std::string& peer, std::vector<std::byte> message) {
+void Engine::node_message(const std::string& peer, MessageBytes message) {
   Impl& I = *impl_;
   I.locked([&](std::vector<Delivery>& out, std::vector<std::function<void()>>& tasks) {
     try {

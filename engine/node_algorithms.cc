@@ -100,10 +100,13 @@ class Algorithms {
         });
         if (s + 2 < n_) {
           const auto pieces = pieces_of(buf, seg, from, to);
-          ch_.send(right, tag_of(base_, phase, s + 1, c), pieces);
+          ch_.send(right, tag_of(base_, phase, s + 1, c), pieces, nullptr);
         }
       }
     }
+    // What was sent is read in place; the caller may overwrite it next (the
+    // all-gather receives into the segments sent here).
+    ch_.flush();
   }
 
   /// Ring all-gather: node i's own segment is in `buf`; afterwards every
@@ -117,12 +120,13 @@ class Algorithms {
       const std::uint64_t total = segment_bytes(seg);
       for (std::uint64_t c = 0; c < chunks(total); ++c) {
         const std::uint64_t from = c * chunk_, to = std::min(total, from + chunk_);
-        NodePayload m = ch_.recv(left, tag_of(base_, phase, s, c));
-        expect_size(m, to - from, left);
+        auto m = std::make_shared<NodePayload>(ch_.recv(left, tag_of(base_, phase, s, c)));
+        expect_size(*m, to - from, left);
+        // Forwarded from the received message (kept alive by the send).
+        if (s + 2 < n_) ch_.send(right, tag_of(base_, phase, s + 1, c), m->data(), m->size, m);
         for_pieces(buf, seg, from, to, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
-          std::memcpy(p, m.data() + off, len);
+          std::memcpy(p, m->data() + off, len);
         });
-        if (s + 2 < n_) ch_.send(right, tag_of(base_, phase, s + 1, c), m.data(), m.size);
       }
     }
   }
@@ -132,7 +136,7 @@ class Algorithms {
     const std::uint64_t mine = segment_bytes(segs[i_]);
     const auto pieces = pieces_of(buf, segs[i_], 0, mine);
     for (int j = 0; j < n_; ++j) {
-      if (j != i_) ch_.send(j, tag_of(base_, phase, 0, 0), pieces);
+      if (j != i_) ch_.send(j, tag_of(base_, phase, 0, 0), pieces, nullptr);
     }
     for (int j = 0; j < n_; ++j) {
       if (j == i_) continue;
@@ -163,6 +167,7 @@ class Algorithms {
       expect_size(in[j], bytes, j);
       srcs[j] = in[j].data();
     }
+    ch_.flush();  // `buf` went out in place and is overwritten now
     reduce(dtype, op, buf, srcs.data(), srcs.size(), bytes / dtype_size(dtype), 1);
   }
 
@@ -190,10 +195,10 @@ class Algorithms {
         ch_.send(next, tag_of(base_, phase, 0, c), buf + from, len);
         continue;
       }
-      NodePayload m = ch_.recv(prev, tag_of(base_, phase, 0, c));
-      expect_size(m, len, prev);
-      if (has_next) ch_.send(next, tag_of(base_, phase, 0, c), m.data(), m.size);
-      copy_bytes(buf + from, m.data(), len);
+      auto m = std::make_shared<NodePayload>(ch_.recv(prev, tag_of(base_, phase, 0, c)));
+      expect_size(*m, len, prev);
+      if (has_next) ch_.send(next, tag_of(base_, phase, 0, c), m->data(), m->size, m);
+      copy_bytes(buf + from, m->data(), len);
     }
   }
 
@@ -222,7 +227,7 @@ class Algorithms {
     for (std::uint64_t c = 0; c < chunks(total); ++c) {
       const std::uint64_t from = c * chunk_, to_byte = std::min(total, from + chunk_);
       const auto pieces = pieces_of(buf, seg, from, to_byte);
-      ch_.send(to, tag_of(base_, phase, step, c), pieces);
+      ch_.send(to, tag_of(base_, phase, step, c), pieces, nullptr);
     }
   }
 
@@ -292,11 +297,14 @@ std::vector<std::vector<std::byte>> node_exchange(NodeChannel& channel,
     NodePayload m = channel.recv(j, tag);
     all[j].assign(m.data(), m.data() + m.size);
   }
+  channel.flush();  // `mine` went out in place
   return all;
 }
 
-void run_node_collective(NodeChannel& ch, const NodeCollective& op,
-                         const NodeAlgorithmOptions& options, std::uint64_t base) {
+namespace {
+
+void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
+                                   const NodeAlgorithmOptions& options, std::uint64_t base) {
   const int n = ch.nodes(), me = ch.node();
   const std::size_t es = dtype_size(op.dtype);
   const std::uint64_t one = op.count * es;
@@ -337,6 +345,7 @@ void run_node_collective(NodeChannel& ch, const NodeCollective& op,
         algo.ring_reduce_scatter(w, segs, op.dtype, combine, 1);
         algo.ring_all_gather(w, segs, 2);
       }
+      if (op.redop == RedOp::avg) ch.flush();  // `w` went out in place; divided next
       finish_avg(w, one);
       for (std::size_t k = 1; k < L.size(); ++k) copy_bytes(L[k].recv, w, one);
       return;
@@ -355,12 +364,12 @@ void run_node_collective(NodeChannel& ch, const NodeCollective& op,
     }
     case OpKind::reduce_scatter: {
       const std::uint64_t total = one * op.nranks;
-      std::vector<std::byte> t(total);
-      local_reduce(t.data(), total);
-      algo.ring_reduce_scatter(t.data(), rank_segments(op.node_of_rank, one, n), op.dtype,
+      std::byte* t = ch.scratch(total);
+      local_reduce(t, total);
+      algo.ring_reduce_scatter(t, rank_segments(op.node_of_rank, one, n), op.dtype,
                                combine, 1);
       for (const auto& b : L) {
-        copy_bytes(b.recv, t.data() + b.rank * one, one);
+        copy_bytes(b.recv, t + b.rank * one, one);
         finish_avg(b.recv, one);
       }
       return;
@@ -381,15 +390,13 @@ void run_node_collective(NodeChannel& ch, const NodeCollective& op,
     }
     case OpKind::reduce: {
       const int root_node = op.node_of_rank[op.root];
-      std::vector<std::byte> scratch;
       std::byte* t = nullptr;
       if (root_node == me) {
         for (const auto& b : L) {
           if (b.rank == op.root) t = b.recv;
         }
       } else {
-        scratch.resize(one);
-        t = scratch.data();
+        t = ch.scratch(one);
       }
       local_reduce(t, one);
       algo.chain_reduce(t, one, root_node, op.dtype, combine, 1);
@@ -421,7 +428,7 @@ void run_node_collective(NodeChannel& ch, const NodeCollective& op,
         for (std::size_t k = 0; k < L.size(); ++k) {
           for (int d : ranks_of[j]) pieces.emplace_back(src[k] + d * one, one);
         }
-        ch.send(j, tag_of(base, 1, 0, 0), pieces);
+        ch.send(j, tag_of(base, 1, 0, 0), pieces, nullptr);
       }
       for (std::size_t k = 0; k < L.size(); ++k) {
         for (const auto& b : L) std::memcpy(b.recv + L[k].rank * one, src[k] + b.rank * one, one);
@@ -438,11 +445,22 @@ void run_node_collective(NodeChannel& ch, const NodeCollective& op,
           }
         }
       }
+      ch.flush();  // the sends read `copies` in place
       return;
     }
     default:
       throw Error(Code::internal, "no node algorithm for " + std::string(to_string(op.kind)));
   }
+}
+
+}  // namespace
+
+void run_node_collective(NodeChannel& ch, const NodeCollective& op,
+                         const NodeAlgorithmOptions& options, std::uint64_t base) {
+  run_node_collective_unflushed(ch, op, options, base);
+  // Sends read the ranks' buffers in place: the operation is complete (and
+  // the buffers are the clients' again) only once every send has left.
+  ch.flush();
 }
 
 }  // namespace collectived::engine

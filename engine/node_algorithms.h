@@ -25,18 +25,20 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "engine/dtype.h"
 #include "engine/op.h"
+#include "engine/transport/transport.h"
 
 namespace collectived::engine {
 
 /// One message received from another node: `size` bytes at `data()`.
 struct NodePayload {
-  std::vector<std::byte> storage;
+  MessageBytes storage;
   std::size_t offset = 0;
   std::size_t size = 0;
   const std::byte* data() const { return storage.data() + offset; }
@@ -50,17 +52,29 @@ class NodeChannel {
   virtual int node() const = 0;
   virtual int nodes() const = 0;
   /// Sends the concatenation of `pieces` to `to` under `tag` (unique within the
-  /// operation for each sender and receiver). Does not block on the receiver;
-  /// the bytes are copied before it returns.
-  virtual void send(int to, std::uint64_t tag, std::span<const std::span<const std::byte>> pieces) = 0;
+  /// operation for each sender and receiver). Does not block on the receiver.
+  /// Zero copy: the bytes are read in place after it returns, so they must
+  /// stay unchanged until flush() returns. `owner`, if given, keeps the memory
+  /// alive should the operation end (fail) before the send is done.
+  virtual void send(int to, std::uint64_t tag, std::span<const std::span<const std::byte>> pieces,
+                    std::shared_ptr<const void> owner) = 0;
+  /// Blocks until every send so far has left (the transport no longer reads
+  /// its bytes). Throws Error at the deadline or if a send failed.
+  virtual void flush() = 0;
+  /// A scratch buffer of at least `bytes`, valid (and kept by the channel's
+  /// sends) until the operation ends; contents undefined. Reused between
+  /// operations, so that large temporaries do not fault in fresh pages each
+  /// time. One buffer per channel: a second call invalidates the first.
+  virtual std::byte* scratch(std::size_t bytes) = 0;
   /// The message `from` sent under `tag`. Blocks until it arrived; throws Error
   /// at the operation's deadline, when the communicator broke, or when the
   /// sender's operation does not match this node's (naming both).
   virtual NodePayload recv(int from, std::uint64_t tag) = 0;
 
-  void send(int to, std::uint64_t tag, const void* data, std::size_t bytes) {
+  void send(int to, std::uint64_t tag, const void* data, std::size_t bytes,
+            std::shared_ptr<const void> owner = nullptr) {
     const std::span<const std::byte> one(static_cast<const std::byte*>(data), bytes);
-    send(to, tag, std::span<const std::span<const std::byte>>(&one, 1));
+    send(to, tag, std::span<const std::span<const std::byte>>(&one, 1), std::move(owner));
   }
 };
 
@@ -107,7 +121,7 @@ void run_node_collective(NodeChannel& channel, const NodeCollective& op,
                          const NodeAlgorithmOptions& options, std::uint64_t tag_base = 0);
 
 /// Every node sends `mine` to every other node; returns what each node sent,
-/// by node index (this node's own entry is `mine`).
+/// by node index (this node's own entry is `mine`). Flushes before returning.
 std::vector<std::vector<std::byte>> node_exchange(NodeChannel& channel,
                                                   std::span<const std::byte> mine,
                                                   std::uint64_t tag);

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "ipc/error.h"
@@ -32,6 +33,15 @@ class Fabric {
     auto [it, fresh] = boxes_[to].emplace(std::make_pair(from, tag), std::move(bytes));
     REQUIRE(fresh);  // a tag is never reused within an operation
     cv_.notify_all();
+  }
+  /// The message, if it is there already.
+  std::optional<std::vector<std::byte>> try_take(int me, int from, std::uint64_t tag) {
+    std::lock_guard lock(mu_);
+    auto it = boxes_[me].find(std::make_pair(from, tag));
+    if (it == boxes_[me].end()) return std::nullopt;
+    auto bytes = std::move(it->second);
+    boxes_[me].erase(it);
+    return bytes;
   }
   std::vector<std::byte> take(int me, int from, std::uint64_t tag) {
     std::unique_lock lock(mu_);
@@ -58,27 +68,59 @@ class Fabric {
   std::vector<std::map<std::pair<int, std::uint64_t>, std::vector<std::byte>>> boxes_;
 };
 
+/// A channel that sends as late as the NodeChannel contract allows: the bytes
+/// of a send are read (copied into the fabric) only when this node flushes or
+/// would otherwise block in recv. An algorithm that changes bytes it sent
+/// before flush() therefore delivers wrong data and fails the checks, and one
+/// that returns with sends outstanding fails `flushed()`.
 class MemChannel final : public NodeChannel {
  public:
   MemChannel(Fabric& f, int me, int n) : f_(f), me_(me), n_(n) {}
   int node() const override { return me_; }
   int nodes() const override { return n_; }
-  void send(int to, std::uint64_t tag, std::span<const std::span<const std::byte>> pieces) override {
+  void send(int to, std::uint64_t tag, std::span<const std::span<const std::byte>> pieces,
+            std::shared_ptr<const void> owner) override {
     REQUIRE(to != me_);
-    std::vector<std::byte> bytes;
-    for (auto p : pieces) bytes.insert(bytes.end(), p.begin(), p.end());
-    f_.put(to, me_, tag, std::move(bytes));
+    pending_.push_back({to, tag, {pieces.begin(), pieces.end()}, std::move(owner)});
   }
   NodePayload recv(int from, std::uint64_t tag) override {
+    auto bytes = f_.try_take(me_, from, tag);
+    if (!bytes) {
+      deliver();
+      bytes = f_.take(me_, from, tag);
+    }
     NodePayload p;
-    p.storage = f_.take(me_, from, tag);
+    p.storage = MessageBytes::copy_of(*bytes);
     p.size = p.storage.size();
     return p;
   }
+  void flush() override { deliver(); }
+  std::byte* scratch(std::size_t bytes) override {
+    scratch_.resize(bytes);
+    return scratch_.data();
+  }
+  bool flushed() const { return pending_.empty(); }
 
  private:
+  struct Pending {
+    int to;
+    std::uint64_t tag;
+    std::vector<std::span<const std::byte>> pieces;
+    std::shared_ptr<const void> owner;
+  };
+  void deliver() {
+    for (auto& p : pending_) {
+      std::vector<std::byte> bytes;
+      for (auto piece : p.pieces) bytes.insert(bytes.end(), piece.begin(), piece.end());
+      f_.put(p.to, me_, p.tag, std::move(bytes));
+    }
+    pending_.clear();
+  }
+
   Fabric& f_;
   int me_, n_;
+  std::vector<Pending> pending_;
+  std::vector<std::byte> scratch_;
 };
 
 std::int32_t input(int rank, std::uint64_t i) {
@@ -144,6 +186,7 @@ void run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorith
           op.local.push_back(b);
         }
         run_node_collective(ch, op, o, 1000);
+        if (!ch.flushed()) errors[j] = "returned with sends outstanding";
       } catch (const std::exception& e) {
         errors[j] = e.what();
       }
@@ -186,7 +229,7 @@ void run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorith
           c.in_place && c.kind == OpKind::reduce_scatter ? r * c.count + i : i;
       if (recv[r][at] != want) {
         ++bad;
-        FAIL_CHECK(to_string(c.kind) << " rank " << r << " element " << i << ": " << recv[r][at]
+        FAIL_CHECK(to_string(c.kind) << " " << to_string(c.redop) << " rank " << r << " element " << i << ": " << recv[r][at]
                                      << " != " << want);
       }
     }

@@ -100,6 +100,14 @@ std::span<std::byte> FrameDecoder::read_space() {
 
 void FrameDecoder::commit(std::size_t n) { end_ += n; }
 
+std::size_t FrameDecoder::take(std::span<std::byte> out) {
+  const std::size_t n = std::min(out.size(), end_ - begin_);
+  if (n != 0) std::memcpy(out.data(), buf_.data() + begin_, n);
+  begin_ += n;
+  if (begin_ == end_) begin_ = end_ = 0;
+  return n;
+}
+
 void FrameDecoder::add_fds(std::vector<UniqueFd> fds) {
   for (auto& fd : fds) pending_fds_.push_back(std::move(fd));
   if (pending_fds_.size() > kMaxPendingFds) {

@@ -104,6 +104,9 @@ class FrameDecoder {
 
   /// The next complete frame, or nullptr when more bytes are needed.
   std::unique_ptr<IncomingFrame> next();
+  /// Moves up to out.size() buffered bytes that follow the last frame into
+  /// `out` (unframed bytes that a frame announced); returns how many.
+  std::size_t take(std::span<std::byte> out);
 
   /// True while part of a frame is buffered (a disconnect now is mid-request).
   bool mid_frame() const { return end_ > begin_; }

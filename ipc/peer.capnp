@@ -41,7 +41,8 @@ $Cxx.namespace("collectived::peerwire");
 
 using Wire = import "protocol.capnp";
 
-const peerProtocolVersion :UInt32 = 1;
+# 2: data chunks carry their bytes raw after the frame (DataChunk.raw).
+const peerProtocolVersion :UInt32 = 2;
 
 # Bytes of each side's nonce.
 const nonceBytes :UInt32 = 32;
@@ -103,12 +104,20 @@ struct PeerError {
 # split into chunks of at most tcp.chunk_bytes, spread over the streams; the
 # receiver reassembles them by (channel, seq) and delivers whole messages of a
 # channel in seq order.
+#
+# The chunk's bytes are not inside the frame: `raw` bytes follow the frame on
+# the same stream, unframed. So the sender writes them straight from the
+# message (one gathered write, no copy into a Cap'n Proto message) and the
+# receiver reads them straight into the reassembly buffer at `offset`.
+# Chunks of one message never overlap; a message is complete when its chunks
+# cover it.
 struct DataChunk {
   channel @0 :UInt64;
   seq @1 :UInt64;            # per connection and channel: 0, 1, 2, ...
   offset @2 :UInt64;         # of this chunk in the message
   total @3 :UInt64;          # bytes of the whole message
-  payload @4 :Data;
+  payload @4 :Data;          # unused since protocol 2: must be empty
+  raw @5 :UInt64;            # bytes of this chunk, following the frame
 }
 
 struct PeerMessage {

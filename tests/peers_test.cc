@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "client/collective.h"
+#include "ipc/peer.capnp.h"
 #include "tests/support/harness.h"
 #include "tests/support/nodes.h"
 
@@ -300,22 +301,23 @@ TEST_CASE("a protocol version mismatch is refused, naming both versions on both 
   CHECK(c.daemon->wait_for_log("event=test_hook", 5s));
   auto ca = client_of(a);
   auto cc = client_of(c);
+  const std::string ours = "speaks peer protocol " + std::to_string(peerwire::PEER_PROTOCOL_VERSION);
   SUBCASE("the new one dials the old one") {
     const Pong p = ping(*cc, a.address());
     CHECK(p.code == Code::protocol);
     CHECK(contains(p.error, "node a refused node c (" + c.address() +
                                 "): peer protocol version mismatch: node c"));
     CHECK(contains(p.error, "speaks peer protocol 99, node a"));
-    CHECK(contains(p.error, "speaks peer protocol 1;"));
+    CHECK(contains(p.error, ours + ";"));
     CHECK(a.daemon->wait_for_log("event=peer_refused", 5s));
-    CHECK(logged(*a.daemon, "peer_refused", {"node=c", "speaks peer protocol 99", "speaks peer protocol 1"}));
-    CHECK(logged(*c.daemon, "peer_refused", {"node=a", "speaks peer protocol 99", "speaks peer protocol 1"}));
+    CHECK(logged(*a.daemon, "peer_refused", {"node=c", "speaks peer protocol 99", ours}));
+    CHECK(logged(*c.daemon, "peer_refused", {"node=a", "speaks peer protocol 99", ours}));
   }
   SUBCASE("the old one dials the new one") {
     const Pong p = ping(*ca, c.address());
     CHECK(p.code == Code::protocol);
     CHECK(contains(p.error, "node c refused node a"));
-    CHECK(contains(p.error, "speaks peer protocol 1, node c"));
+    CHECK(contains(p.error, ours + ", node c"));
     CHECK(contains(p.error, "speaks peer protocol 99;"));
     CHECK(c.daemon->wait_for_log("event=peer_refused", 5s));
     CHECK_MESSAGE(logged(*a.daemon, "peer_refused", {"peer=" + c.address(), "node=c", "code=\"protocol error\""}),

@@ -71,7 +71,28 @@ struct GpuCollective {
   std::uint64_t count = 0;
   int root = 0;
   std::vector<Span> send, recv;
+  /// Null for ranks on other nodes (staged operations).
   std::vector<std::shared_ptr<RankSync>> sync;
+  /// "rank r (pid P ...)" per rank: failures name the rank whose input never came.
+  std::vector<std::string> who;
+  /// The operation's deadline: past it the executor answers with an error
+  /// naming the ranks whose input is not ready, releases the ranks' streams
+  /// from the CPU, and never waits on the GPU from the engine's threads.
+  Clock::time_point deadline = Clock::time_point::max();
+};
+
+/// Host staging of one GPU collective on a communicator spanning nodes: pinned
+/// host buffers per local rank, filled from the GPU (stage_in) and copied back
+/// (stage_out). `send[r]` / `recv[r]` are host spans the engine's host
+/// collectives across nodes run on (empty for remote ranks or where a rank
+/// has no buffer). Keeps its GPU operation (mappings, stream hand-offs) alive.
+class GpuStage {
+ public:
+  virtual ~GpuStage() = default;
+  std::vector<Span> send, recv;
+  /// What the engine's host spans point their `reg` at (aliasing the stage's
+  /// lifetime): an operation running on the staging keeps it alive.
+  Registration host{};
 };
 
 struct GpuStatus {
@@ -110,6 +131,20 @@ class GpuExecutor {
   /// Code::ok or the error. Called under the engine's lock, in each
   /// communicator's order: must not block on the GPU.
   virtual void run(GpuCollective op, std::function<void(Code, std::string)> done) = 0;
+
+  /// Across nodes, step 1: allocates (from a cache) pinned host staging for
+  /// every local rank of `op`, enqueues on the GPUs "wait for the rank's
+  /// input, copy it to the host", and returns. `ready` runs once (executor's
+  /// completion thread) when every input is in host memory, or with the error
+  /// (deadline: naming the ranks whose input never came; a client died).
+  /// Called under the engine's lock: never blocks on the GPU.
+  virtual std::shared_ptr<GpuStage> stage_in(GpuCollective op,
+                                             std::function<void(Code, std::string)> ready) = 0;
+  /// Across nodes, step 2: the host collective filled stage->recv; enqueues
+  /// the copies back to the GPU buffers and the release of every local rank's
+  /// stream; `done` runs once when the GPU finished (or at the deadline).
+  virtual void stage_out(std::shared_ptr<GpuStage> stage,
+                         std::function<void(Code, std::string)> done) = 0;
 };
 
 /// With CUDA: probes the driver and devices (never throws: without a GPU the

@@ -17,7 +17,7 @@
 #include <cstdlib>
 #include <condition_variable>
 #include <cstring>
-#include <deque>
+#include <list>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -67,6 +67,67 @@ std::uint64_t env_bytes(const char* name, std::uint64_t fallback) {
   if (v == nullptr || *v == '\0') return fallback;
   return std::strtoull(v, nullptr, 10);
 }
+
+/// CUDA resources whose release may wait for the GPU (cudaIpcCloseMemHandle,
+/// cuMemUnmap, cudaHostUnregister, cudaFreeHost) are never released on the
+/// daemon's event loop: the last owner buries them here and the executor's
+/// completion thread drops them. A client killed while its operation was
+/// queued on a GPU stream is exactly when such a release would block.
+struct Graveyard {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::shared_ptr<void>> dead;
+  bool open = true;  // false once the executor is gone: drop at once
+  void bury(std::shared_ptr<void> p) {
+    if (!p) return;
+    std::unique_lock lock(mu);
+    if (!open) {
+      lock.unlock();
+      p.reset();
+      return;
+    }
+    dead.push_back(std::move(p));
+    cv.notify_one();
+  }
+  std::vector<std::shared_ptr<void>> take() {
+    std::lock_guard lock(mu);
+    return std::exchange(dead, {});
+  }
+};
+
+/// Pinned host buffers for staging (cudaHostAlloc, portable): allocated on
+/// first need, kept and reused (allocation costs ~ms per 100 MiB).
+class PinnedPool {
+ public:
+  ~PinnedPool() {
+    for (auto& [bytes, p] : free_) cudaFreeHost(p);
+  }
+  std::byte* take(std::uint64_t bytes, std::uint64_t& got) {
+    {
+      std::lock_guard lock(mu_);
+      auto it = free_.lower_bound(bytes);
+      if (it != free_.end() && it->first <= 2 * bytes + (std::uint64_t{4} << 20)) {
+        got = it->first;
+        std::byte* p = it->second;
+        free_.erase(it);
+        return p;
+      }
+    }
+    got = (bytes + (std::uint64_t{2} << 20) - 1) & ~((std::uint64_t{2} << 20) - 1);
+    void* p = nullptr;
+    check_rt(cudaHostAlloc(&p, got, cudaHostAllocPortable),
+             "cudaHostAlloc of " + std::to_string(got) + " bytes of host staging");
+    return static_cast<std::byte*>(p);
+  }
+  void give(std::byte* p, std::uint64_t bytes) {
+    std::lock_guard lock(mu_);
+    free_.emplace(bytes, p);
+  }
+
+ private:
+  std::mutex mu_;
+  std::multimap<std::uint64_t, std::byte*> free_;
+};
 
 /// A client allocation opened in the daemon. Shared by every registration
 /// of the same allocation (legacy IPC handles are cached by handle bytes).
@@ -146,7 +207,9 @@ class PoolMapping final : public Mapping {
 /// One registration's view: the shared mapping and the client's buffer id.
 class Registered final : public DeviceMemory {
  public:
-  Registered(std::shared_ptr<Mapping> m, std::uint64_t id) : m_(std::move(m)), id_(id) {}
+  Registered(std::shared_ptr<Mapping> m, std::uint64_t id, std::shared_ptr<Graveyard> g)
+      : m_(std::move(m)), id_(id), graveyard_(std::move(g)) {}
+  ~Registered() override { graveyard_->bury(std::move(m_)); }
   std::byte* data() const override { return m_->ptr; }
   std::byte* data_on(int dev) const override { return m_->ptr_on(dev); }
   std::uint64_t size() const override { return m_->size; }
@@ -156,6 +219,7 @@ class Registered final : public DeviceMemory {
  private:
   std::shared_ptr<Mapping> m_;
   std::uint64_t id_;
+  std::shared_ptr<Graveyard> graveyard_;
 };
 
 /// A client's flag page: host memory shared by memfd, registered with CUDA in
@@ -185,28 +249,40 @@ class Sync final : public RankSync {
  public:
   std::shared_ptr<FlagPage> flags;
   std::shared_ptr<OpenedEvent> event;
+  std::shared_ptr<Graveyard> graveyard;
   std::uint32_t word = 0, ticket = 0;
   std::uint32_t ready_word = 0;  // when there is no event: the client's stream writes it
   std::uint64_t session = 0;
   bool released = false;  // the flag write is enqueued on a daemon stream
 
-  /// The client died: let the daemon's streams past its input.
-  void release_ready() const {
-    auto* w = flags->word(ready_word);
+  /// Moves a word forward to the ticket (never back; wrap-aware).
+  void advance(std::uint32_t i) const {
+    auto* w = flags->word(i);
     std::uint32_t cur = w->load(std::memory_order_relaxed);
     while (static_cast<std::int32_t>(ticket - cur) > 0 &&
            !w->compare_exchange_weak(cur, ticket, std::memory_order_release)) {
     }
   }
+  /// The client's stream has marked its input ready (ready words only).
+  bool ready_reached() const {
+    if (event) return true;  // not observable from the CPU
+    const std::uint32_t cur = flags->word(ready_word)->load(std::memory_order_acquire);
+    return static_cast<std::int32_t>(cur - ticket) >= 0;
+  }
+  /// The client died, or the deadline passed: let the daemon's streams past its input.
+  void release_ready() const {
+    if (!event) advance(ready_word);
+  }
+  /// Lets the client's stream go on from the CPU (failed or timed out).
+  void release_done() const { advance(word); }
 
   ~Sync() override {
-    if (released || !flags) return;
     // Never ran on the GPU (failed, refused, aborted): release the client's
-    // stream from here. Only ever move the word forward (wrap-aware).
-    auto* w = flags->word(word);
-    std::uint32_t cur = w->load(std::memory_order_relaxed);
-    while (static_cast<std::int32_t>(ticket - cur) > 0 &&
-           !w->compare_exchange_weak(cur, ticket, std::memory_order_release)) {
+    // stream from here.
+    if (!released && flags) release_done();
+    if (graveyard) {
+      graveyard->bury(std::move(flags));  // cudaHostUnregister off the event loop
+      graveyard->bury(std::move(event));
     }
   }
 };
@@ -222,21 +298,58 @@ struct DeviceState {
   std::string name;
   int sms = 0;
   cudaStream_t streams[kStreamsPerDevice] = {};
+  // Staged operations copy their outputs back here: never behind a stream
+  // that waits for a client's next input.
+  cudaStream_t out_streams[kStreamsPerDevice] = {};
   std::vector<cudaEvent_t> free_events;
 };
 
 struct Pending {
   std::vector<std::pair<int, cudaEvent_t>> tails;  // (device, event): all streams' last work
   std::vector<std::pair<int, cudaEvent_t>> events;  // to return to the pools
-  std::vector<std::shared_ptr<RankSync>> syncs;
+  std::vector<std::shared_ptr<RankSync>> syncs;     // by rank; null for other nodes' ranks
+  std::vector<std::string> who;                     // by rank
   std::vector<Span> spans;  // keep the mappings open until the GPU is done
+  std::shared_ptr<void> keep;  // a staged operation's stage
   std::function<void(Code, std::string)> done;
   std::string failure;  // set when a client taking part died while it was queued
+  Code failure_code = Code::remote;
+  Clock::time_point deadline = Clock::time_point::max();
+  bool answered = false;  // done() ran (deadline): wait for the GPU only to recycle
+  bool releases_done = true;  // the op writes the ranks' done words (not stage_in)
+};
+
+/// A staged operation (across nodes): pinned host buffers per local rank.
+class Stage final : public GpuStage {
+ public:
+  explicit Stage(std::shared_ptr<PinnedPool> pool) : pool_(std::move(pool)) {}
+  ~Stage() override {
+    for (auto& [p, bytes] : blocks_) pool_->give(p, bytes);
+  }
+  Span take(std::uint64_t bytes) {
+    if (bytes == 0) return {};
+    std::uint64_t got = 0;
+    std::byte* p = pool_->take(bytes, got);
+    blocks_.emplace_back(p, got);
+    return Span{nullptr, p, bytes};
+  }
+  GpuCollective op;
+  std::size_t slot = 0;
+
+ private:
+  std::shared_ptr<PinnedPool> pool_;
+  std::vector<std::pair<std::byte*, std::uint64_t>> blocks_;
 };
 
 class CudaExecutor final : public GpuExecutor {
  public:
   CudaExecutor(Logger& log, const GpuOptions& options) : log_(log) {
+    // Every kernel loaded when the context is made. With lazy loading (the
+    // default since CUDA 12.2) the first launch of each kernel loads it, and
+    // loading may synchronize the context: a launch enqueued behind a stream
+    // that waits for a client's input (which may never come) then blocked the
+    // daemon's event loop -- the "client killed while queued" hang.
+    ::setenv("CUDA_MODULE_LOADING", "EAGER", 1);
     status_.mps = options.mps;
     mps_ = std::make_unique<MpsControl>(log, options.mps);
     status_.mps_reason = mps_->reason();
@@ -250,6 +363,7 @@ class CudaExecutor final : public GpuExecutor {
       return;
     }
     completer_ = std::thread([this] { complete_loop(); });
+    reaper_ = std::thread([this] { reap_loop(); });
   }
 
   ~CudaExecutor() override {
@@ -260,9 +374,17 @@ class CudaExecutor final : public GpuExecutor {
     cv_.notify_all();
     if (completer_.joinable()) completer_.join();
     sessions_.clear();
+    {
+      std::lock_guard lock(graveyard_->mu);
+      graveyard_->open = false;
+    }
+    graveyard_->cv.notify_all();
+    if (reaper_.joinable()) reaper_.join();
+    for (auto& g : graveyard_->take()) g.reset();
     for (auto& d : devices_) {
       cudaSetDevice(d.ordinal);
       for (auto s : d.streams) cudaStreamDestroy(s);
+      for (auto s : d.out_streams) cudaStreamDestroy(s);
       for (auto e : d.free_events) cudaEventDestroy(e);
     }
   }
@@ -293,7 +415,7 @@ class CudaExecutor final : public GpuExecutor {
       case MemoryKind::pool_fd: m = open_pool(a, dev); break;
       default: throw Error(Code::invalid_argument, "unknown GPU memory kind");
     }
-    return std::make_shared<Registered>(std::move(m), a.buffer_id);
+    return std::make_shared<Registered>(std::move(m), a.buffer_id, graveyard_);
   }
 
   void attach_flags(std::uint64_t session, UniqueFd memfd, std::uint64_t bytes) override {
@@ -336,6 +458,7 @@ class CudaExecutor final : public GpuExecutor {
     sync->word = a.flag_word;
     sync->ticket = a.ticket;
     sync->session = session;
+    sync->graveyard = graveyard_;
     if (a.event_handle.empty()) {
       // The client's stream marks its input ready on a flag word.
       if (a.ready_word >= s.flags->words()) {
@@ -368,22 +491,28 @@ class CudaExecutor final : public GpuExecutor {
 
   void client_gone(std::uint64_t session) override {
     std::lock_guard lock(mu_);
-    sessions_.erase(session);
+    if (auto it = sessions_.find(session); it != sessions_.end()) {
+      graveyard_->bury(std::move(it->second.flags));
+      for (auto& [id, ev] : it->second.events) graveyard_->bury(std::move(ev));
+      sessions_.erase(it);
+    }
     // Operations of this client still queued on the GPUs: their input may
-    // never be marked ready. Mark it from here, so that the daemon's streams
-    // (and every other rank's stream behind them) go on, and fail them.
+    // never be marked ready. Mark it from here (the daemon's CPU writes the
+    // word in the shared page), so that the daemon's streams (and every other
+    // rank's stream behind them) go on, and fail them naming the rank.
     for (auto& p : pending_) {
-      for (auto& rs : p.syncs) {
-        auto* s = static_cast<Sync*>(rs.get());
+      for (std::size_t r = 0; r < p.syncs.size(); ++r) {
+        auto* s = static_cast<Sync*>(p.syncs[r].get());
         if (s == nullptr || s->session != session) continue;
-        if (!s->event) s->release_ready();
+        s->release_ready();
         if (p.failure.empty()) {
-          p.failure = "a rank's client (session " + std::to_string(session) +
-                      ") disconnected while the operation was queued on the GPU; its output is "
-                      "undefined";
+          p.failure = (r < p.who.size() ? p.who[r] : "a rank") +
+                      " disconnected (its client process exited or was killed) while the operation "
+                      "was queued on the GPU; the outputs are undefined";
         }
       }
     }
+    cv_.notify_all();
   }
 
   void run(GpuCollective op, std::function<void(Code, std::string)> done) override {
@@ -424,19 +553,23 @@ class CudaExecutor final : public GpuExecutor {
 
     Pending p;
     p.done = std::move(done);
+    p.deadline = op.deadline;
+    p.who = op.who;
     for (auto& s : op.send) if (s.reg) p.spans.push_back(s);
     for (auto& s : op.recv) if (s.reg) p.spans.push_back(s);
+    // Open every mapping in each executing GPU's context now: before anything
+    // of this operation is enqueued, and outside the lock (opening a mapping
+    // may wait for the GPU, which a deadline must still be able to unblock).
+    for (int d : one_shot ? std::vector<int>{devs.front()} : devs) {
+      for (const auto* v : {&op.send, &op.recv}) {
+        for (const auto& sp : *v) {
+          if (sp.reg && sp.reg->device) sp.reg->device->data_on(d);
+        }
+      }
+    }
     std::lock_guard lock(mu_);
     auto take_event = [&](int dev) {
-      cudaSetDevice(dev);  // events belong to the GPU current at creation
-      DeviceState& d = devices_[dev];
-      cudaEvent_t e = nullptr;
-      if (!d.free_events.empty()) {
-        e = d.free_events.back();
-        d.free_events.pop_back();
-      } else {
-        check_rt(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
-      }
+      cudaEvent_t e = take_event_locked(dev);
       p.events.emplace_back(dev, e);
       return e;
     };
@@ -516,10 +649,137 @@ class CudaExecutor final : public GpuExecutor {
     }
     p.syncs = std::move(op.sync);
     pending_.push_back(std::move(p));
+    ++generation_;
+    cv_.notify_one();
+  }
+
+  std::shared_ptr<GpuStage> stage_in(GpuCollective op,
+                                     std::function<void(Code, std::string)> ready) override {
+    require();
+    const int n = static_cast<int>(op.sync.size());
+    auto st = std::make_shared<Stage>(pinned_);
+    st->send.resize(n);
+    st->recv.resize(n);
+    st->slot = std::hash<std::string>{}(op.comm) % kStreamsPerDevice;
+    Pending p;
+    p.done = std::move(ready);
+    p.deadline = op.deadline;
+    p.who = op.who;
+    p.releases_done = false;
+    // Pinned staging first, outside the lock (a first cudaHostAlloc of a size
+    // takes milliseconds, and may wait for the GPU).
+    for (int r = 0; r < n; ++r) {
+      if (!op.sync[r]) continue;
+      st->send[r] = st->take(op.send[r].bytes);
+      st->recv[r] = st->take(op.recv[r].bytes);
+    }
+    std::lock_guard lock(mu_);
+    auto take_event = [&](int dev) {
+      cudaEvent_t e = take_event_locked(dev);
+      p.events.emplace_back(dev, e);
+      return e;
+    };
+    const int front = devices_.front().ordinal;
+    for (int r = 0; r < n; ++r) {
+      auto* s = static_cast<Sync*>(op.sync[r].get());
+      if (s == nullptr) continue;  // a rank on another node
+      const Span& gs = op.send[r];
+      const Span& gr = op.recv[r];
+      const int dev = gr.reg ? gr.reg->device->device() : gs.reg ? gs.reg->device->device() : front;
+      cudaSetDevice(dev);
+      cudaStream_t stream = devices_[dev].streams[st->slot];
+      if (s->event) {
+        if (dev != front) {
+          throw Error(Code::invalid_argument,
+                      "GPU operation across nodes with an IPC event hand-off on GPU " +
+                          std::to_string(dev) + ": the client library uses ready words; update it");
+        }
+        check_rt(cudaStreamWaitEvent(stream, s->event->event, 0), "cudaStreamWaitEvent");
+      } else {
+        cu_->check(cu_->cuStreamWaitValue32(reinterpret_cast<cu::Stream>(stream),
+                                            s->flags->device + 4 * static_cast<cu::DevicePtr>(s->ready_word),
+                                            s->ticket, cu::kStreamWaitValueGeq),
+                   "cuStreamWaitValue32 on " + op.who[r] + "'s ready word");
+      }
+      if (gs.bytes != 0) {
+        const std::byte* src = gs.reg->device->data_on(dev) + (gs.ptr - gs.reg->device->data());
+        check_rt(cudaMemcpyAsync(st->send[r].ptr, src, gs.bytes, cudaMemcpyDeviceToHost, stream),
+                 "copy of " + op.who[r] + "'s input to host staging");
+      }
+      cudaEvent_t tail = take_event(dev);
+      check_rt(cudaEventRecord(tail, stream), "cudaEventRecord");
+      p.tails.emplace_back(dev, tail);
+      p.spans.push_back(gs);
+      p.spans.push_back(gr);
+    }
+    p.syncs = op.sync;
+    st->op = std::move(op);
+    p.keep = st;
+    pending_.push_back(std::move(p));
+    ++generation_;
+    cv_.notify_one();
+    return st;
+  }
+
+  void stage_out(std::shared_ptr<GpuStage> gstage,
+                 std::function<void(Code, std::string)> done) override {
+    require();
+    auto* st = static_cast<Stage*>(gstage.get());
+    const GpuCollective& op = st->op;
+    const int n = static_cast<int>(op.sync.size());
+    Pending p;
+    p.done = std::move(done);
+    // The copies back wait for nothing; the operation's own deadline may be
+    // close after the exchange between nodes, so give them time of their own.
+    p.deadline = std::max(op.deadline, Clock::now() + std::chrono::seconds(30));
+    p.who = op.who;
+    std::lock_guard lock(mu_);
+    for (int r = 0; r < n; ++r) {
+      auto* s = static_cast<Sync*>(op.sync[r].get());
+      if (s == nullptr) continue;
+      const Span& gs = op.send[r];
+      const Span& gr = op.recv[r];
+      const int dev = gr.reg ? gr.reg->device->device() : gs.reg ? gs.reg->device->device()
+                                                           : devices_.front().ordinal;
+      cudaSetDevice(dev);
+      cudaStream_t stream = devices_[dev].out_streams[st->slot];
+      if (gr.bytes != 0) {
+        std::byte* dst = gr.reg->device->data_on(dev) + (gr.ptr - gr.reg->device->data());
+        check_rt(cudaMemcpyAsync(dst, st->recv[r].ptr, gr.bytes, cudaMemcpyHostToDevice, stream),
+                 "copy of " + op.who[r] + "'s output from host staging");
+      }
+      const cu::DevicePtr word = s->flags->device + 4 * static_cast<cu::DevicePtr>(s->word);
+      cu_->check(cu_->cuStreamWriteValue32(reinterpret_cast<cu::Stream>(stream), word, s->ticket,
+                                           cu::kStreamWriteValueDefault),
+                 "cuStreamWriteValue32 (release " + op.who[r] + "'s stream)");
+      s->released = true;
+      cudaEvent_t tail = take_event_locked(dev);
+      p.events.emplace_back(dev, tail);
+      check_rt(cudaEventRecord(tail, stream), "cudaEventRecord");
+      p.tails.emplace_back(dev, tail);
+    }
+    p.syncs = op.sync;
+    p.keep = std::move(gstage);
+    pending_.push_back(std::move(p));
+    ++generation_;
     cv_.notify_one();
   }
 
  private:
+  /// A pooled event of GPU `dev` (under mu_); leaves `dev` current.
+  cudaEvent_t take_event_locked(int dev) {
+    cudaSetDevice(dev);  // events belong to the GPU current at creation
+    DeviceState& d = devices_[dev];
+    cudaEvent_t e = nullptr;
+    if (!d.free_events.empty()) {
+      e = d.free_events.back();
+      d.free_events.pop_back();
+    } else {
+      check_rt(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    }
+    return e;
+  }
+
   /// COLLECTIVED_GPU_DEBUG_SYNC=1: synchronize after each step of an operation
   /// and name the step that failed (diagnosis only: it blocks).
   template <typename StreamOf>
@@ -560,6 +820,9 @@ class CudaExecutor final : public GpuExecutor {
       for (auto& s : d.streams) {
         check_rt(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
       }
+      for (auto& s : d.out_streams) {
+        check_rt(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+      }
       for (int j = 0; j < count; ++j) {
         int can = 0;
         if (j != i && cudaDeviceCanAccessPeer(&can, i, j) == cudaSuccess && can) {
@@ -594,21 +857,25 @@ class CudaExecutor final : public GpuExecutor {
       throw Error(Code::invalid_argument, "cudaMalloc memory: IPC handle of " +
                                               std::to_string(a.handle.size()) + " bytes");
     }
-    std::lock_guard lock(mu_);
-    auto& slot = legacy_cache_[a.handle];
-    if (auto m = slot.lock()) {
-      if (m->size < a.size) {
-        throw Error(Code::invalid_argument, "cudaMalloc memory: registered size " +
-                                                std::to_string(a.size) + " exceeds the allocation");
+    {
+      std::lock_guard lock(mu_);
+      if (auto m = legacy_cache_[a.handle].lock()) {
+        if (m->size < a.size) {
+          throw Error(Code::invalid_argument, "cudaMalloc memory: registered size " +
+                                                  std::to_string(a.size) + " exceeds the allocation");
+        }
+        return m;
       }
-      return m;
     }
+    // Opened outside the lock (it may wait for the GPU). Registrations come
+    // from the event loop one at a time, so nobody opens the same handle meanwhile.
     auto m = std::make_shared<LegacyIpcMapping>();
     std::memcpy(&m->handle, a.handle.data(), sizeof m->handle);
     m->size = a.size;
     m->device = dev;
     m->open_first();
-    slot = m;
+    std::lock_guard lock(mu_);
+    legacy_cache_[a.handle] = m;
     // Drop cache entries of closed mappings now and then.
     if (legacy_cache_.size() > 1024) {
       for (auto it = legacy_cache_.begin(); it != legacy_cache_.end();) {
@@ -799,45 +1066,167 @@ class CudaExecutor final : public GpuExecutor {
     }
   }
 
+  /// The completion thread: polls every queued operation's last events
+  /// (cudaEventQuery: nothing here waits on the GPU without a bound), answers
+  /// each when its GPU work is done, and answers at the deadline those that
+  /// are not, naming the ranks whose input never became ready and releasing
+  /// every rank's stream from the CPU.
   void complete_loop() {
+    int idle = 0;
+    std::uint64_t seen = 0;
     for (;;) {
-      std::vector<std::pair<int, cudaEvent_t>> tails;
+      std::vector<Pending> finished;
+      std::vector<std::pair<std::function<void(Code, std::string)>, std::string>> expired;
+      bool waiting = false;
+      bool stopping = false;
+      std::vector<Pending*> snapshot;
       {
         std::unique_lock lock(mu_);
-        cv_.wait(lock, [&] { return stopping_ || !pending_.empty(); });
-        if (pending_.empty()) return;
-        // The operation stays in pending_ while it is waited for, so that
-        // client_gone() can still release a dead client's input of it.
-        tails = pending_.front().tails;
+        if (pending_.empty()) {
+          if (stopping_) return;
+          cv_.wait_for(lock, std::chrono::milliseconds(100));
+          continue;
+        }
+        if (stopping_) {
+          // Stopping: every operation was answered and its streams released
+          // below; give the GPU a few seconds, then leave what is stuck.
+          if (stop_since_ == Clock::time_point{}) stop_since_ = Clock::now();
+          if (Clock::now() - stop_since_ > std::chrono::seconds(5)) return;
+        }
+        if (generation_ != seen) {
+          seen = generation_;
+          idle = 0;
+        }
+        stopping = stopping_;
+        for (auto& p : pending_) snapshot.push_back(&p);
       }
-      Code code = Code::ok;
-      std::string message;
-      for (auto& [dev, e] : tails) {
-        const cudaError_t r = cudaEventSynchronize(e);
-        if (r != cudaSuccess && code == Code::ok) {
-          code = Code::system;
-          message = std::string("GPU ") + std::to_string(dev) + ": " + cudaGetErrorName(r) + " (" +
-                    cudaGetErrorString(r) + ")";
+      // Query outside the lock (the event loop enqueues under it). Entries of
+      // pending_ stay put (std::list) and only this thread removes them; their
+      // tails and deadlines do not change once queued.
+      const auto now = Clock::now();
+      std::vector<Pending*> done_now;
+      bool due = stopping;
+      for (Pending* p : snapshot) {
+        bool done = true;
+        for (auto& [dev, e] : p->tails) {
+          const cudaError_t r = cudaEventQuery(e);
+          if (r == cudaErrorNotReady) {
+            done = false;
+            break;
+          }
+          if (r != cudaSuccess) {
+            std::lock_guard lock(mu_);
+            if (p->failure.empty()) {
+              p->failure = std::string("GPU ") + std::to_string(dev) + ": " + cudaGetErrorName(r) +
+                           " (" + cudaGetErrorString(r) + ")";
+              p->failure_code = Code::system;
+            }
+          }
+        }
+        if (done) {
+          done_now.push_back(p);
+        } else {
+          waiting = true;
+          if (!p->answered && now >= p->deadline) due = true;
         }
       }
-      Pending p;
-      {
+      if (!done_now.empty() || due) {
         std::lock_guard lock(mu_);
-        p = std::move(pending_.front());
-        pending_.pop_front();
-        if (!p.failure.empty() && code == Code::ok) {
-          code = Code::remote;
+        for (auto it = pending_.begin(); it != pending_.end();) {
+          Pending& p = *it;
+          if (std::find(done_now.begin(), done_now.end(), &p) != done_now.end()) {
+            finished.push_back(std::move(p));
+            it = pending_.erase(it);
+            continue;
+          }
+          if (!p.answered && (now >= p.deadline || stopping)) {
+            p.answered = true;
+            std::string why = expire(p);
+            if (stopping) why = "the daemon is stopping; " + why;
+            expired.emplace_back(std::move(p.done), std::move(why));
+          }
+          ++it;
+        }
+      }
+      for (auto& [done, why] : expired) {
+        log_.warn("gpu_operation_timeout", {{"reason", why}});
+        if (done) done(Code::timeout, why);
+      }
+      for (auto& p : finished) {
+        Code code = Code::ok;
+        std::string message;
+        if (!p.failure.empty()) {
+          code = p.failure_code;
           message = p.failure;
         }
+        p.spans.clear();
+        p.syncs.clear();
+        p.keep.reset();
+        {
+          std::lock_guard lock(mu_);
+          for (auto& [dev, e] : p.events) devices_[dev].free_events.push_back(e);
+        }
+        if (!p.answered && p.done) p.done(code, message);
       }
-      p.spans.clear();
-      p.syncs.clear();
-      {
-        std::lock_guard lock(mu_);
-        for (auto& [dev, e] : p.events) devices_[dev].free_events.push_back(e);
+      if (!finished.empty() || !expired.empty()) idle = 0;
+      if (waiting && finished.empty()) {
+        // Short operations finish within microseconds: yield first, then
+        // back off so that a long or stuck one does not burn a core.
+        ++idle;
+        if (idle < 2000) {
+          std::this_thread::yield();
+        } else if (idle < 4000) {
+          std::this_thread::sleep_for(std::chrono::microseconds(50));
+        } else {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
       }
-      if (p.done) p.done(code, message);
     }
+  }
+
+  /// Drops buried CUDA resources, on a thread of its own: a release that
+  /// waits for the GPU must not hold up the completion thread (which is what
+  /// unblocks the GPU at a deadline).
+  void reap_loop() {
+    for (;;) {
+      std::vector<std::shared_ptr<void>> dead;
+      {
+        std::unique_lock lock(graveyard_->mu);
+        graveyard_->cv.wait(lock, [&] { return !graveyard_->open || !graveyard_->dead.empty(); });
+        if (!graveyard_->open) return;
+        dead = std::exchange(graveyard_->dead, {});
+      }
+      dead.clear();
+    }
+  }
+
+  /// The deadline passed with `p` still on the GPU (under mu_): names the
+  /// ranks whose input is not ready, then lets the daemon's streams past those
+  /// inputs and releases every rank's stream from the CPU (outputs undefined).
+  std::string expire(Pending& p) {
+    std::string missing;
+    for (std::size_t r = 0; r < p.syncs.size(); ++r) {
+      auto* s = static_cast<Sync*>(p.syncs[r].get());
+      if (s == nullptr || s->ready_reached()) continue;
+      if (!missing.empty()) missing += ", ";
+      missing += r < p.who.size() ? p.who[r] : "rank " + std::to_string(r);
+    }
+    for (auto& rs : p.syncs) {
+      auto* s = static_cast<Sync*>(rs.get());
+      if (s == nullptr) continue;
+      s->release_ready();
+      if (p.releases_done) s->release_done();
+    }
+    if (!p.failure.empty()) return p.failure;
+    if (!missing.empty()) {
+      return "timed out (deadlines.operation_ms) waiting for the input of " + missing +
+             ": the work queued before the operation on its CUDA stream has not finished (a "
+             "stuck kernel, or a stream waiting on something that never comes); the outputs are "
+             "undefined and every rank's stream was released";
+    }
+    return "timed out (deadlines.operation_ms): every rank's input was ready, but the GPU did not "
+           "finish the operation in time; the outputs are undefined and every rank's stream was "
+           "released";
   }
 
   Logger& log_;
@@ -851,14 +1240,19 @@ class CudaExecutor final : public GpuExecutor {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;
+  Clock::time_point stop_since_{};
   GpuStatus status_;
   std::vector<DeviceState> devices_;
   std::map<std::string, std::weak_ptr<Mapping>> legacy_cache_;
   std::shared_ptr<std::atomic<std::uint32_t>> other_mappings_ =
       std::make_shared<std::atomic<std::uint32_t>>(0);
   std::map<std::uint64_t, Session> sessions_;
-  std::deque<Pending> pending_;
+  std::list<Pending> pending_;
+  std::uint64_t generation_ = 0;  // operations queued so far (the completer's back-off)
+  std::shared_ptr<Graveyard> graveyard_ = std::make_shared<Graveyard>();
+  std::shared_ptr<PinnedPool> pinned_ = std::make_shared<PinnedPool>();
   std::thread completer_;
+  std::thread reaper_;
 };
 
 }  // namespace

@@ -17,6 +17,10 @@ class NoGpu final : public GpuExecutor {
   std::shared_ptr<RankSync> make_sync(std::uint64_t, const GpuSyncArgs&) override { fail(); }
   void client_gone(std::uint64_t) override {}
   void run(GpuCollective, std::function<void(Code, std::string)>) override { fail(); }
+  std::shared_ptr<GpuStage> stage_in(GpuCollective, std::function<void(Code, std::string)>) override {
+    fail();
+  }
+  void stage_out(std::shared_ptr<GpuStage>, std::function<void(Code, std::string)>) override { fail(); }
 
  private:
   [[noreturn]] static void fail() { throw Error(Code::unavailable, kWhy); }

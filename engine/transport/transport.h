@@ -4,13 +4,21 @@
 // (Engine::node_down). Algorithms never see sockets or verbs: they talk to a
 // NodeChannel (engine/node_algorithms.h) that the engine builds on this.
 //
+// Messages are sent without copying their bulk bytes: an OutMessage is a small
+// header the transport owns plus payload pieces that it reads in place until
+// it reports the send done. Received messages arrive in a MessageBytes, which
+// is allocated without zero-filling (the transport writes every byte).
+//
 // Implementations: the daemon's authenticated TCP peer connections
-// (engine/transport/tcp/peer_transport.h, over engine/transport/tcp/peer_manager.h); the verbs transport
-// joins here under the same interface.
+// (engine/transport/tcp/peer_transport.h, over engine/transport/tcp/peer_manager.h)
+// and verbs (engine/transport/verbs/verbs_node_transport.h).
 #pragma once
 
 #include <cstddef>
+#include <cstring>
 #include <functional>
+#include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -18,17 +26,68 @@
 
 namespace collectived::engine {
 
+/// The bytes of one received message. Not zero-filled on allocation: whoever
+/// fills it writes every byte before anyone reads it. Storage is aligned for
+/// any scalar type (Cap'n Proto words are read in place).
+class MessageBytes {
+ public:
+  MessageBytes() = default;
+  explicit MessageBytes(std::size_t size)
+      : data_(size ? new std::byte[size] : nullptr), size_(size) {}
+  /// A copy of `bytes` (tests, small control messages).
+  static MessageBytes copy_of(std::span<const std::byte> bytes) {
+    MessageBytes m(bytes.size());
+    if (!bytes.empty()) std::memcpy(m.data(), bytes.data(), bytes.size());
+    return m;
+  }
+
+  std::byte* data() { return data_.get(); }
+  const std::byte* data() const { return data_.get(); }
+  std::size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+
+ private:
+  std::unique_ptr<std::byte[]> data_;
+  std::size_t size_ = 0;
+};
+
+/// One outgoing message: `head` followed by the bytes of `payload`, in order.
+struct OutMessage {
+  std::vector<std::byte> head;
+  /// Read in place, zero copy: they must stay valid and unchanged until the
+  /// send's Done has run.
+  std::vector<std::span<const std::byte>> payload;
+  /// Owns the memory `payload` points into, where the sender may go away
+  /// before the send is done (the transport holds it until then).
+  std::shared_ptr<const void> keep;
+
+  std::size_t size() const {
+    std::size_t n = head.size();
+    for (const auto& p : payload) n += p.size();
+    return n;
+  }
+  /// The message as one contiguous copy (transports that cannot gather).
+  std::vector<std::byte> flatten() const {
+    std::vector<std::byte> out;
+    out.reserve(size());
+    out.insert(out.end(), head.begin(), head.end());
+    for (const auto& p : payload) out.insert(out.end(), p.begin(), p.end());
+    return out;
+  }
+};
+
 class NodeTransport {
  public:
   /// Called once the message is handed to the network (or could not be): from
-  /// any thread, never from inside send().
+  /// any thread, never from inside send(). After it runs the transport no
+  /// longer reads the payload.
   using Done = std::function<void(Code code, const std::string& message)>;
 
   virtual ~NodeTransport() = default;
   /// Sends `message` to the daemon at `address`, opening the connection if
   /// needed. Messages to one address arrive in the order they were sent while
   /// the connection lasts. Thread-safe.
-  virtual void send(const std::string& address, std::vector<std::byte> message, Done done) = 0;
+  virtual void send(const std::string& address, OutMessage message, Done done) = 0;
 };
 
 }  // namespace collectived::engine

@@ -21,6 +21,11 @@ GB = 1e9 B; ratios to 2 decimals, computed as time_other/time_ours, which is
 the busbw ratio at full precision; "-" where missing), and for all-reduce
 the 8-byte latency (time column) of each and the ratios. Rows whose #wrong is
 not 0 are flagged. Standard library only.
+
+A file may hold the same table several times (scripts/bench-host ROUNDS=N
+appends one per round): each size then shows its median round (by time, in
+the chosen placement; the lower middle for an even count), and a header line
+says how many rounds each source had.
 """
 import os
 import re
@@ -74,7 +79,7 @@ def parse(path):
                 op = norm_op(m.group(1))
                 if pending and op:
                     for row in pending:
-                        tables.setdefault(op, {}).setdefault(row["size"], row)
+                        tables.setdefault(op, {}).setdefault(row["size"], []).append(row)
                 pending = []
                 current = None  # each table ends here
             continue
@@ -94,7 +99,7 @@ def parse(path):
         except ValueError:
             continue
         if current:
-            tables.setdefault(current, {}).setdefault(row["size"], row)
+            tables.setdefault(current, {}).setdefault(row["size"], []).append(row)
         else:
             pending.append(row)
     if pending:
@@ -150,17 +155,29 @@ def main(argv):
         sys.stderr.write(__doc__)
         return 2
     place = "in" if "--in-place" in flags else "out"
-    parsed, warnings = {}, []
+    parsed, warnings, rounds = {}, [], {}
     for name, path in zip(SOURCES, args):
-        parsed[name], w = parse(path)
+        tables, w = parse(path)
         warnings += w
-        if not parsed[name]:
+        if not tables:
             warnings.append(f"{name}: no table in {path if path != '-' else '(none given)'}")
+        # Several rounds of one table: the median row per size.
+        parsed[name] = {}
+        counts = set()
+        for op, by_size in tables.items():
+            for size, rows in by_size.items():
+                rows = sorted(rows, key=lambda r: r[place]["time"])
+                parsed[name].setdefault(op, {})[size] = rows[(len(rows) - 1) // 2]
+                counts.add(len(rows))
+        rounds[name] = counts
 
     if "--no-machine" not in flags:
         print(machine())
     print(f"# busbw in GB/s (1e9 B/s), {'in' if place == 'in' else 'out-of'}-place; "
           f"ratios are bandwidth ours/other (> 1: ours is faster), from the time columns")
+    if any(c and c != {1} for c in rounds.values()):
+        print("# rounds (median shown): " + "  ".join(
+            f"{src} {'/'.join(str(n) for n in sorted(rounds[src])) or '-'}" for src in SOURCES))
     for w in warnings:
         print(f"# note: {w}")
 

@@ -85,20 +85,24 @@ write("daemon_session_fuzz", "no_hello", b"\x01" + msg("(id = 2, status = ())"))
 write("client_frame_fuzz", "ring_slot", b"\x00" + coll(5, 1, "allReduce", 1024))
 
 nonce = "0x\"" + "ab" * 32 + "\""
-hello = peer(f'(hello = (protocolVersion = 1, nodeName = "seed", listenAddress = "127.0.0.1:47601", '
+hello = peer(f'(hello = (protocolVersion = 2, nodeName = "seed", listenAddress = "127.0.0.1:47601", '
              f'streamIndex = 0, streams = 1, connectionId = 7, nonce = {nonce}, '
              f'dialedAddress = "127.0.0.1:47600", daemonVersion = "0.1.0"))')
-challenge = peer(f'(challenge = (protocolVersion = 1, nodeName = "seed", listenAddress = "127.0.0.1:47600", '
+challenge = peer(f'(challenge = (protocolVersion = 2, nodeName = "seed", listenAddress = "127.0.0.1:47600", '
                  f'nonce = {nonce}, daemonVersion = "0.1.0"))')
 response = peer(f"(response = (proof = {nonce}))")
 ready = peer(f"(ready = (proof = {nonce}))")
 hb = peer("(heartbeat = (seq = 1, sentNs = 100, wallNs = 1700000000000000000))")
 ack = peer("(heartbeatAck = (seq = 1, echoSentNs = 100, wallNs = 1700000000000000000))")
 err = peer('(error = (code = permissionDenied, message = "wrong secret", nodeName = "seed"))')
-data0 = peer('(data = (channel = 1, seq = 0, offset = 0, total = 8, payload = 0x"0102030405060708"))')
-data_split = (peer('(data = (channel = 2, seq = 0, offset = 4, total = 8, payload = 0x"05060708"))')
-              + peer('(data = (channel = 2, seq = 0, offset = 0, total = 8, payload = 0x"01020304"))'))
-data_bad = peer('(data = (channel = 3, seq = 5, offset = 18446744073709551615, total = 4, payload = 0x"01"))')
+# Protocol 2: a chunk's bytes follow its frame, unframed (DataChunk.raw).
+data0 = peer('(data = (channel = 1, seq = 0, offset = 0, total = 8, raw = 8))') + bytes(range(1, 9))
+data_split = (peer('(data = (channel = 2, seq = 0, offset = 4, total = 8, raw = 4))') + bytes([5, 6, 7, 8])
+              + peer('(data = (channel = 2, seq = 0, offset = 0, total = 8, raw = 4))') + bytes([1, 2, 3, 4]))
+data_bad = peer('(data = (channel = 3, seq = 5, offset = 18446744073709551615, total = 4, raw = 1))') + b"\x01"
+data_overlap = (peer('(data = (channel = 4, seq = 0, offset = 0, total = 16, raw = 8))') + bytes(8)
+                + peer('(data = (channel = 4, seq = 0, offset = 4, total = 16, raw = 8))') + bytes(8))
+data_v1 = peer('(data = (channel = 1, seq = 0, offset = 0, total = 8, payload = 0x"0102030405060708"))')
 
 write("peer_frame_fuzz", "acceptor_hello", b"\x00" + hello + response)
 write("peer_frame_fuzz", "acceptor_error", b"\x00" + err)
@@ -110,6 +114,8 @@ write("daemon_peer_fuzz", "data_unauth", b"\x00" + data0)
 write("daemon_peer_fuzz", "heartbeats", b"\x01" + hb + ack)
 write("daemon_peer_fuzz", "data", b"\x01" + data0 + data_split + hb)
 write("daemon_peer_fuzz", "data_bad_offset", b"\x01" + data_bad)
+write("daemon_peer_fuzz", "data_overlap", b"\x01" + data_overlap)
+write("daemon_peer_fuzz", "data_protocol1", b"\x01" + data_v1)
 write("daemon_peer_fuzz", "error_after_auth", b"\x01" + err)
 write("daemon_peer_fuzz", "hello_after_auth", b"\x01" + hello)
 

@@ -24,6 +24,7 @@
 #include "engine/gpu/cuda_driver.h"
 #include "engine/reduce.h"
 #include "tests/support/harness.h"
+#include "tests/support/nodes.h"
 
 using namespace collectived;
 using namespace collectived::test;
@@ -238,6 +239,39 @@ long run_case(GpuRank& g, Kind k, engine::DType d, engine::RedOp op, std::size_t
 }
 
 /// Runs `body(rank)` in `n` child processes joined in one communicator on `d`.
+/// Rank r joins through daemon `sockets[r]` (several daemons: nodes joined by TCP).
+bool with_ranks_on(const std::vector<std::string>& sockets, int gpus,
+                   const std::function<int(GpuRank&)>& body, std::chrono::milliseconds timeout = 180s) {
+  const int n = static_cast<int>(sockets.size());
+  collective_unique_id_t id{};
+  {
+    collective_client_t* c = nullptr;
+    REQUIRE(collective_connect(sockets[0].c_str(), "gpu_test", &c) == COLLECTIVE_OK);
+    REQUIRE(collective_get_unique_id(c, &id) == COLLECTIVE_OK);
+    collective_disconnect(c);
+  }
+  std::vector<std::unique_ptr<Child>> kids;
+  for (int r = 0; r < n; ++r) {
+    kids.push_back(std::make_unique<Child>([&, r] {
+      try {
+        GpuRank g(sockets[r], id, r, n, r % gpus);
+        return body(g);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
+        return 2;
+      }
+    }));
+  }
+  bool failed = false;
+  for (auto& k : kids) {
+    auto st = k->wait(timeout);
+    CHECK(st.exited);
+    CHECK(st.code == 0);
+    failed = failed || !st.exited || st.code != 0;
+  }
+  return !failed;
+}
+
 void with_ranks(Daemon& d, int n, int gpus, const std::function<int(GpuRank&)>& body,
                 std::chrono::milliseconds timeout = 180s) {
   collective_unique_id_t id{};
@@ -279,40 +313,73 @@ const engine::DType kAllTypes[] = {engine::DType::int8,    engine::DType::uint8,
 const engine::RedOp kAllOps[] = {engine::RedOp::sum, engine::RedOp::prod, engine::RedOp::min,
                                  engine::RedOp::max, engine::RedOp::avg};
 
-void matrix(int gpus) {
-  Daemon daemon;
-  with_ranks(daemon, 2, gpus, [](GpuRank& g) {
-    long wrong = 0;
-    std::string first;
-    std::uint64_t salt = 1;
-    // Odd and aligned counts; 300000 elements crosses the one-shot threshold
-    // (the work is then split over the GPUs).
-    for (std::size_t count : {std::size_t{1}, std::size_t{1001}, std::size_t{300000}}) {
-      for (Kind k : {Kind::all_reduce, Kind::reduce_scatter, Kind::reduce}) {
-        for (auto dt : kAllTypes) {
-          for (auto op : kAllOps) {
-            for (bool ip : {false, true}) {
-              if (k == Kind::reduce && ip) continue;
-              wrong += run_case(g, k, dt, op, count, count % 2, ip, salt++, first);
-            }
-          }
-        }
-      }
-      for (Kind k : {Kind::all_gather, Kind::broadcast, Kind::all_to_all}) {
-        for (auto dt : {engine::DType::int8, engine::DType::bfloat16, engine::DType::float64}) {
+int matrix_body(GpuRank& g) {
+  long wrong = 0;
+  std::string first;
+  std::uint64_t salt = 1;
+  // Odd and aligned counts; 300000 elements crosses the one-shot threshold
+  // (the work is then split over the GPUs).
+  for (std::size_t count : {std::size_t{1}, std::size_t{1001}, std::size_t{300000}}) {
+    for (Kind k : {Kind::all_reduce, Kind::reduce_scatter, Kind::reduce}) {
+      for (auto dt : kAllTypes) {
+        for (auto op : kAllOps) {
           for (bool ip : {false, true}) {
-            if (k == Kind::all_to_all && ip) continue;
-            for (int root = 0; root < (k == Kind::broadcast ? g.nranks : 1); ++root) {
-              wrong += run_case(g, k, dt, engine::RedOp::sum, count, root, ip, salt++, first);
-            }
+            if (k == Kind::reduce && ip) continue;
+            wrong += run_case(g, k, dt, op, count, count % 2, ip, salt++, first);
           }
         }
       }
     }
-    if (wrong != 0) std::fprintf(stderr, "rank %d: %ld wrong bytes; %s\n", g.rank, wrong, first.c_str());
-    return wrong == 0 ? 0 : 1;
-  });
+    for (Kind k : {Kind::all_gather, Kind::broadcast, Kind::all_to_all}) {
+      for (auto dt : {engine::DType::int8, engine::DType::bfloat16, engine::DType::float64}) {
+        for (bool ip : {false, true}) {
+          if (k == Kind::all_to_all && ip) continue;
+          for (int root = 0; root < (k == Kind::broadcast ? g.nranks : 1); ++root) {
+            wrong += run_case(g, k, dt, engine::RedOp::sum, count, root, ip, salt++, first);
+          }
+        }
+      }
+    }
+  }
+  if (wrong != 0) std::fprintf(stderr, "rank %d: %ld wrong bytes; %s\n", g.rank, wrong, first.c_str());
+  return wrong == 0 ? 0 : 1;
 }
+
+void matrix(int gpus) {
+  Daemon daemon;
+  with_ranks(daemon, 2, gpus, matrix_body);
+}
+
+/// Two daemons standing for two nodes (127.0.0.2 and .3, one cluster secret),
+/// each seeing one GPU where there are two; rank r on daemon r.
+struct GpuCluster {
+  TempDir dir;
+  std::vector<Node> nodes;
+  explicit GpuCluster(int n, std::vector<std::string> extra = {}) {
+    const std::string secret = write_secret(dir, "secret", "gpu test cluster secret\n");
+    for (int i = 0; i < n; ++i) {
+      Node node;
+      node.name = "gnode" + std::to_string(i);
+      node.ip = "127.0.0." + std::to_string(i + 2);
+      node.secret_file = secret;
+      node.extra = extra;
+      if (g_gpus >= n) node.env["CUDA_VISIBLE_DEVICES"] = std::to_string(i);
+      nodes.push_back(std::move(node));
+    }
+    for (auto& node : nodes) node.start();
+  }
+  std::vector<std::string> sockets() const {
+    std::vector<std::string> s;
+    for (const auto& n : nodes) s.push_back(n.daemon->socket());
+    return s;
+  }
+  void dump_logs() const {
+    for (const auto& n : nodes) {
+      const std::string log = n.daemon->log();
+      MESSAGE(n.name << " log (tail):\n" << log.substr(log.size() > 3000 ? log.size() - 3000 : 0));
+    }
+  }
+};
 
 }  // namespace
 
@@ -495,9 +562,10 @@ TEST_CASE("gpu: a rank that dies before its operation: the peer's stream is rele
 }
 
 // Known failure (docs/gpu.md): skipped by default; --no-skip runs it.
-TEST_CASE("gpu: a client killed while its operation is queued on the GPU: no hang for the peer or the daemon" *
-          doctest::skip()) {
-  Daemon d;
+TEST_CASE("gpu: a client killed while its operation is queued on the GPU: no hang for the peer or the daemon") {
+  // A short operation deadline: if the daemon does not even see the client go
+  // (its process stuck in exit), the deadline fails the operation, naming it.
+  Daemon d(Daemon::Options{.overrides = {"deadlines.operation_ms=8000"}});
   with_ranks(d, 2, std::min(g_gpus, 2), [](GpuRank& g) {
     const std::size_t count = 1024;
     cu::DevicePtr buf = g.alloc(count * 4);
@@ -540,7 +608,8 @@ TEST_CASE("gpu: a client killed while its operation is queued on the GPU: no han
                  static_cast<int>(rc), why.c_str(),
                  std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
                  released ? "released" : "STILL WAITING after 30 s");
-    if (rc == COLLECTIVE_TIMEOUT) return 41;
+    if (rc == COLLECTIVE_OK) return 41;
+    if (why.find("rank 0") == std::string::npos) return 43;  // must name the dead rank
     return released ? 0 : 42;
   }, 90s);
   CHECK(d.alive());
@@ -549,6 +618,60 @@ TEST_CASE("gpu: a client killed while its operation is queued on the GPU: no han
     std::string first;
     return run_case(g, Kind::all_reduce, engine::DType::float32, engine::RedOp::sum, 4096, 0, false, 99, first) == 0 ? 0 : 1;
   }, 60s);
+  // ... and a client that connects and registers memory after all that.
+  collective_client_t* c = nullptr;
+  CHECK(collective_connect(d.socket().c_str(), "gpu_test", &c) == COLLECTIVE_OK);
+  if (c != nullptr) collective_disconnect(c);
+}
+
+TEST_CASE("gpu: across nodes: two daemons joined by TCP, GPU buffers staged through host memory") {
+  GpuCluster cl(2);
+  const bool ok = with_ranks_on(cl.sockets(), std::min(g_gpus, 2), [](GpuRank& g) {
+    int rc = matrix_body(g);
+    // A large one: 64 MiB all-reduce crosses many staging and transfer chunks.
+    std::string first;
+    if (run_case(g, Kind::all_reduce, engine::DType::float32, engine::RedOp::sum, 16u << 20, 0, false, 7,
+                 first) != 0) {
+      std::fprintf(stderr, "rank %d: %s\n", g.rank, first.c_str());
+      rc = 1;
+    }
+    return rc;
+  }, 600s);
+  if (!ok) cl.dump_logs();
+}
+
+TEST_CASE("gpu: across nodes: a rank whose input never becomes ready fails by its deadline, named") {
+  GpuCluster cl(2, {"deadlines.operation_ms=4000"});
+  const bool ok = with_ranks_on(cl.sockets(), std::min(g_gpus, 2), [](GpuRank& g) {
+    const std::size_t count = 1024;
+    cu::DevicePtr buf = g.alloc(count * 4);
+    void* page = nullptr;
+    if (posix_memalign(&page, 4096, 4096) != 0) return 3;
+    std::memset(page, 0, 4096);
+    if (g.rank == 0) {
+      // The producer is held back until after the deadline.
+      g.ok(g.cu->cuMemHostRegister(page, 4096, cu::kMemHostRegisterDeviceMap), "host register");
+      cu::DevicePtr flag = 0;
+      g.ok(g.cu->cuMemHostGetDevicePointer(&flag, page, 0), "device pointer");
+      g.ok(g.cu->cuStreamWaitValue32(g.stream, flag, 1, cu::kStreamWaitValueGeq), "wait value");
+    }
+    collective_request_t* req = nullptr;
+    if (collective_all_reduce_stream(g.comm, reinterpret_cast<void*>(buf), reinterpret_cast<void*>(buf), count,
+                                     COLLECTIVE_INT32, COLLECTIVE_SUM, g.stream, &req) != COLLECTIVE_OK) {
+      return 40;
+    }
+    const auto rc = collective_wait(req, 20000);
+    const std::string why = rc == COLLECTIVE_OK ? "ok" : collective_last_error();
+    collective_request_free(req);
+    if (g.rank == 0) static_cast<std::atomic<std::uint32_t>*>(page)->store(1);
+    const cu::Result sr = g.cu->cuStreamSynchronize(g.stream);
+    std::fprintf(stderr, "rank %d: wait rc=%d (%s); stream %s\n", g.rank, static_cast<int>(rc), why.c_str(),
+                 sr == cu::kSuccess ? "released" : "error");
+    if (rc == COLLECTIVE_OK) return 41;
+    if (g.rank == 0 && why.find("rank 0") == std::string::npos) return 43;  // names the late rank
+    return sr == cu::kSuccess ? 0 : 42;
+  }, 60s);
+  if (!ok) cl.dump_logs();
 }
 
 int main(int argc, char** argv) {

@@ -449,7 +449,9 @@ TEST_CASE("the engine's NodeTransport over verbs: ordered whole messages both wa
   auto message = [](int i, int side) {
     std::vector<std::byte> m(static_cast<std::size_t>((i * 7919) % (300 * 1024)));
     fill(m.data(), m.size(), static_cast<std::uint64_t>(i * 2 + side));
-    return m;
+    engine::OutMessage out;
+    out.head = std::move(m);
+    return out;
   };
   std::atomic<int> ok{0};
   for (int i = 0; i < 60; ++i) {
@@ -461,8 +463,8 @@ TEST_CASE("the engine's NodeTransport over verbs: ordered whole messages both wa
     REQUIRE(cv.wait_for(lock, 120s, [&] { return at1.size() == 60 && at0.size() == 60; }));
   }
   for (int i = 0; i < 60; ++i) {
-    CHECK_MESSAGE(at1[i] == message(i, 0), "message " << i << " n0 -> n1, in order");
-    CHECK_MESSAGE(at0[i] == message(i, 1), "message " << i << " n1 -> n0, in order");
+    CHECK_MESSAGE(at1[i] == message(i, 0).head, "message " << i << " n0 -> n1, in order");
+    CHECK_MESSAGE(at0[i] == message(i, 1).head, "message " << i << " n1 -> n0, in order");
   }
   for (int i = 0; i < 100 && ok < 120; ++i) std::this_thread::sleep_for(50ms);
   CHECK(ok == 120);

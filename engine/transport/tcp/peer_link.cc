@@ -1,6 +1,7 @@
 #include "engine/transport/tcp/peer_link.h"
 
 #include <boost/asio/connect.hpp>
+#include <boost/asio/read.hpp>
 #include <boost/asio/ip/address.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/write.hpp>
@@ -20,13 +21,10 @@ namespace {
 // Bounds on what one peer may make this daemon hold for reassembly.
 constexpr std::uint64_t kMaxMessageBytes = std::uint64_t{1} << 30;  // one message
 constexpr std::uint64_t kMaxHeldBytes = std::uint64_t{2} << 30;     // all incomplete ones
-// Largest frame accepted after the handshake: the largest tcp.chunk_bytes the
-// profile allows (nodes may differ), plus room for the chunk's fields.
-constexpr std::uint64_t kMaxPeerFrame = (std::uint64_t{64} << 20) + 64 * 1024;
-
-void put_u32(std::byte* p, std::uint32_t v) {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
-}
+// Largest frame accepted after the handshake. Chunk bytes travel after their
+// frame, unframed (DataChunk.raw), so frames stay small whatever
+// tcp.chunk_bytes is.
+constexpr std::uint64_t kMaxPeerFrame = std::uint64_t{1} << 20;
 
 std::uint64_t steady_ns() {
   return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -148,8 +146,42 @@ void PeerStream::on_read(const boost::system::error_code& ec, std::size_t n) {
   bytes_received_ += n;
   last_received_ = PeerClock::now();
   decoder_.commit(n);
+  drain();
+}
+
+void PeerStream::drain() {
   try {
     while (!closed_) {
+      if (raw_.done) {
+        // Raw chunk bytes: what the decoder read already, then the rest
+        // straight from the socket into the reassembly buffer.
+        const std::size_t got = decoder_.take({raw_.dest, static_cast<std::size_t>(raw_.remaining)});
+        raw_.dest += got;
+        raw_.remaining -= got;
+        if (raw_.remaining > 0) {
+          asio::async_read(socket_, asio::buffer(raw_.dest, raw_.remaining),
+                           [self = shared_from_this()](const boost::system::error_code& ec,
+                                                       std::size_t n) {
+                             if (self->closed_) return;
+                             if (ec) {
+                               self->fail(Code::unavailable,
+                                          ec == asio::error::eof ||
+                                                  ec == asio::error::connection_reset
+                                              ? "the connection was closed by the other side"
+                                              : "read failed: " + ec.message(),
+                                          false);
+                               return;
+                             }
+                             self->bytes_received_ += n;
+                             self->last_received_ = PeerClock::now();
+                             self->raw_.remaining = 0;
+                             self->drain();
+                           });
+          return;
+        }
+        finish_raw();
+        continue;
+      }
       auto frame = decoder_.next();
       if (!frame) break;
       auto sink = sink_.lock();
@@ -170,6 +202,18 @@ void PeerStream::on_read(const boost::system::error_code& ec, std::size_t n) {
   if (!closed_) read_next();
 }
 
+void PeerStream::expect_raw(std::byte* dest, std::uint64_t bytes, std::shared_ptr<void> owner,
+                            std::function<void()> done) {
+  // drain() reads them (and calls `done`) before it decodes another frame.
+  raw_ = Raw{dest, bytes, std::move(owner), std::move(done)};
+}
+
+void PeerStream::finish_raw() {
+  Raw r = std::move(raw_);
+  raw_ = Raw{};
+  if (r.done) r.done();
+}
+
 void PeerStream::send_frame(std::vector<std::byte> frame) {
   if (closed_ || closing_) return;
   control_.push_back(std::move(frame));
@@ -185,7 +229,7 @@ void PeerStream::send_chunk(Chunk chunk) {
 void PeerStream::write_next() {
   if (closed_) return;
   std::vector<asio::const_buffer> buffers;
-  current_builder_.reset();
+  current_message_.reset();
   current_written_ = nullptr;
   if (!control_.empty()) {
     current_frame_ = std::move(control_.front());
@@ -194,40 +238,31 @@ void PeerStream::write_next() {
   } else if (!data_.empty()) {
     Chunk c = std::move(data_.front());
     data_.pop_front();
-    // One copy of the payload, into a single-segment message; header, segment
-    // table and segment go out as they are (the same bytes encode_frame makes).
-    const std::size_t words = (c.length + 7) / 8 + 32;
-    current_builder_ = std::make_unique<capnp::MallocMessageBuilder>(
-        static_cast<unsigned>(words), capnp::AllocationStrategy::GROW_HEURISTICALLY);
-    auto d = current_builder_->initRoot<peerwire::PeerMessage>().initData();
+    // A small frame describing the chunk, then its bytes in place: one
+    // gathered write, no copy.
+    capnp::MallocMessageBuilder b(ipc::kSmallMessageWords);
+    auto d = b.initRoot<peerwire::PeerMessage>().initData();
     d.setChannel(c.channel);
     d.setSeq(c.seq);
     d.setOffset(c.offset);
-    d.setTotal(c.payload->size());
-    if (c.length > 0) {
-      d.setPayload(capnp::Data::Reader(
-          reinterpret_cast<const kj::byte*>(c.payload->data() + c.offset), c.length));
+    d.setTotal(c.message->size());
+    d.setRaw(c.length);
+    current_frame_ = ipc::encode_frame(b);
+    buffers.push_back(asio::buffer(current_frame_));
+    // The bytes [offset, offset + length) of head ++ payload.
+    std::uint64_t pos = 0;
+    const std::uint64_t from = c.offset, to = c.offset + c.length;
+    auto add = [&](std::span<const std::byte> piece) {
+      const std::uint64_t a = std::max(from, pos), e = std::min(to, pos + piece.size());
+      if (a < e) buffers.push_back(asio::buffer(piece.data() + (a - pos), e - a));
+      pos += piece.size();
+    };
+    add(c.message->head);
+    for (const auto& piece : c.message->payload) {
+      if (pos >= to) break;
+      add(piece);
     }
-    const auto segments = current_builder_->getSegmentsForOutput();
-    current_table_.clear();
-    current_table_.push_back(static_cast<std::uint32_t>(segments.size() - 1));
-    std::size_t bytes = 0;
-    for (const auto& s : segments) {
-      current_table_.push_back(static_cast<std::uint32_t>(s.size()));
-      bytes += s.size() * sizeof(capnp::word);
-    }
-    if (current_table_.size() % 2 != 0) current_table_.push_back(0);
-    bytes += current_table_.size() * sizeof(std::uint32_t);
-    put_u32(current_header_.data(), ipc::kFrameMagic);
-    put_u32(current_header_.data() + 4, static_cast<std::uint32_t>(bytes));
-    put_u32(current_header_.data() + 8, 0);
-    put_u32(current_header_.data() + 12, 0);
-    buffers.push_back(asio::buffer(current_header_));
-    buffers.push_back(asio::buffer(current_table_.data(),
-                                   current_table_.size() * sizeof(std::uint32_t)));
-    for (const auto& s : segments) {
-      buffers.push_back(asio::buffer(s.begin(), s.size() * sizeof(capnp::word)));
-    }
+    current_message_ = std::move(c.message);
     current_written_ = std::move(c.written);
   } else {
     writing_ = false;
@@ -244,6 +279,7 @@ void PeerStream::write_next() {
                         return;
                       }
                       self->bytes_sent_ += n;
+                      self->current_message_.reset();
                       if (auto written = std::move(self->current_written_)) {
                         self->current_written_ = nullptr;
                         written();
@@ -290,6 +326,8 @@ void PeerStream::close() {
   control_.clear();
   data_.clear();
   current_written_ = nullptr;
+  // A pending raw read is cancelled with the socket; its handler only sees
+  // closed_. Its buffer stays alive (owner) until then.
 }
 
 void PeerStream::fail(Code code, const std::string& why, bool tell_peer) {
@@ -552,7 +590,7 @@ void PeerLink::become_ready() {
   while (!queued_.empty() && state_ == PeerState::ready) {
     Queued q = std::move(queued_.front());
     queued_.pop_front();
-    start_send(q.channel, std::move(q.payload), std::move(q.done));
+    start_send(q.channel, std::move(q.message), std::move(q.done));
   }
 }
 
@@ -572,7 +610,7 @@ void PeerLink::on_stream_message(PeerStream& stream, peerwire::PeerMessage::Read
       on_heartbeat_ack(stream, m.getHeartbeatAck());
       return;
     case W::DATA:
-      on_data(m.getData());
+      on_data(stream, m.getData());
       return;
     case W::ERROR: {
       const auto e = m.getError();
@@ -762,7 +800,7 @@ void PeerLink::send_ping(std::uint64_t seq) {
 
 // --- Data --------------------------------------------------------------------------
 
-void PeerLink::send(std::uint64_t channel, std::shared_ptr<const std::vector<std::byte>> payload,
+void PeerLink::send(std::uint64_t channel, std::shared_ptr<const engine::OutMessage> message,
                     SendDone done) {
   if (state_ == PeerState::dead) {
     const PeerResult r{dead_code_, dead_reason_};
@@ -772,24 +810,24 @@ void PeerLink::send(std::uint64_t channel, std::shared_ptr<const std::vector<std
     return;
   }
   if (state_ == PeerState::connecting) {
-    queued_.push_back({channel, std::move(payload), std::move(done)});
+    queued_.push_back({channel, std::move(message), std::move(done)});
     return;
   }
-  start_send(channel, std::move(payload), std::move(done));
+  start_send(channel, std::move(message), std::move(done));
 }
 
 void PeerLink::start_send(std::uint64_t channel,
-                          std::shared_ptr<const std::vector<std::byte>> payload, SendDone done) {
-  if (payload->size() > kMaxMessageBytes) {
+                          std::shared_ptr<const engine::OutMessage> message, SendDone done) {
+  const std::uint64_t total = message->size();
+  if (total > kMaxMessageBytes) {
     const PeerResult r{Code::invalid_argument,
-                       "a message to " + describe() + " of " + std::to_string(payload->size()) +
+                       "a message to " + describe() + " of " + std::to_string(total) +
                            " bytes exceeds the peer message limit of 1 GiB"};
     asio::post(io_, [done = std::move(done), r] {
       if (done) done(r);
     });
     return;
   }
-  const std::uint64_t total = payload->size();
   const std::uint64_t chunk = std::max<std::uint64_t>(1, options_.chunk_bytes);
   const std::uint64_t chunks = total == 0 ? 1 : (total + chunk - 1) / chunk;
   const std::uint64_t seq = send_seq_[channel]++;
@@ -798,7 +836,7 @@ void PeerLink::start_send(std::uint64_t channel,
   std::weak_ptr<PeerLink> weak = shared_from_this();
   for (std::uint64_t k = 0; k < chunks; ++k) {
     PeerStream::Chunk c;
-    c.payload = payload;
+    c.message = message;
     c.channel = channel;
     c.seq = seq;
     c.offset = k * chunk;
@@ -817,19 +855,22 @@ void PeerLink::start_send(std::uint64_t channel,
   }
 }
 
-void PeerLink::on_data(peerwire::DataChunk::Reader chunk) {
+void PeerLink::on_data(PeerStream& stream, peerwire::DataChunk::Reader chunk) {
   const std::uint64_t channel = chunk.getChannel();
   const std::uint64_t seq = chunk.getSeq();
   const std::uint64_t offset = chunk.getOffset();
   const std::uint64_t total = chunk.getTotal();
-  const auto payload = chunk.getPayload();
+  const std::uint64_t raw = chunk.getRaw();
   const std::string where = " (channel " + std::to_string(channel) + ", message " +
                             std::to_string(seq) + ")";
+  if (chunk.hasPayload() && chunk.getPayload().size() != 0) {
+    throw Error(Code::protocol, "sent chunk bytes inside the frame (protocol 1), not after it" + where);
+  }
   if (total > kMaxMessageBytes) {
     throw Error(Code::protocol, "announced a message of " + std::to_string(total) +
                                     " bytes, beyond the limit of 1 GiB" + where);
   }
-  if (offset > total || payload.size() > total - offset) {
+  if (offset > total || raw > total - offset || (raw == 0 && total != 0)) {
     throw Error(Code::protocol, "sent a chunk outside its message" + where);
   }
   const std::uint64_t next = recv_next_[channel];
@@ -837,43 +878,64 @@ void PeerLink::on_data(peerwire::DataChunk::Reader chunk) {
     throw Error(Code::protocol, "sent a message that was already delivered" + where);
   }
   const auto key = std::make_pair(channel, seq);
-  std::vector<std::byte> whole;
-  if (offset == 0 && payload.size() == total && partial_.find(key) == partial_.end()) {
-    whole.assign(reinterpret_cast<const std::byte*>(payload.begin()),
-                 reinterpret_cast<const std::byte*>(payload.end()));
-  } else {
-    auto it = partial_.find(key);
-    if (it == partial_.end()) {
-      if (held_bytes_ + total > kMaxHeldBytes) {
-        throw Error(Code::resource_exhausted,
-                    "has more than 2 GiB of incomplete messages outstanding" +
-                        where);
-      }
-      it = partial_.emplace(key, Partial{std::vector<std::byte>(total), 0}).first;
-      held_bytes_ += total;
-    } else if (it->second.bytes.size() != total) {
-      throw Error(Code::protocol, "changed the size of a message" + where);
-    }
-    if (payload.size() > 0) {
-      std::memcpy(it->second.bytes.data() + offset, payload.begin(), payload.size());
-    }
-    it->second.received += payload.size();
-    if (it->second.received > total) {
-      throw Error(Code::protocol, "sent overlapping chunks" + where);
-    }
-    if (it->second.received < total) return;
-    whole = std::move(it->second.bytes);
-    partial_.erase(it);
-    held_bytes_ -= total;
+  if (early_.count(key) != 0) {
+    throw Error(Code::protocol, "sent a message twice" + where);
   }
-  if (seq != next) {
-    if (early_.count(key) != 0) {
-      throw Error(Code::protocol, "sent a message twice" + where);
+  if (total == 0) {
+    if (partial_.count(key) != 0) throw Error(Code::protocol, "changed the size of a message" + where);
+    complete(key, engine::MessageBytes());
+    return;
+  }
+  auto it = partial_.find(key);
+  if (it == partial_.end()) {
+    if (held_bytes_ + total > kMaxHeldBytes) {
+      throw Error(Code::resource_exhausted,
+                  "has more than 2 GiB of incomplete messages outstanding" + where);
     }
+    // Not zero-filled, and only the pages the chunks reach are ever touched:
+    // announcing a large message costs the sender the bytes it sends.
+    it = partial_.emplace(key, Partial{std::make_shared<engine::MessageBytes>(total), {}, 0}).first;
+    held_bytes_ += total;
+  } else if (it->second.bytes->size() != total) {
+    throw Error(Code::protocol, "changed the size of a message" + where);
+  }
+  // Chunks never overlap (each byte is written once, and a message is
+  // complete exactly when its bytes are all in: no uninitialized byte is ever
+  // delivered).
+  auto& chunks = it->second.chunks;
+  const auto after = chunks.lower_bound(offset);
+  if ((after != chunks.end() && after->first < offset + raw) ||
+      (after != chunks.begin() && std::prev(after)->second > offset)) {
+    throw Error(Code::protocol, "sent overlapping chunks" + where);
+  }
+  chunks.emplace_hint(after, offset, offset + raw);
+  std::weak_ptr<PeerLink> weak = shared_from_this();
+  stream.expect_raw(it->second.bytes->data() + offset, raw, it->second.bytes, [weak, key, raw] {
+    if (auto self = weak.lock()) self->on_raw_done(key, raw);
+  });
+}
+
+void PeerLink::on_raw_done(std::pair<std::uint64_t, std::uint64_t> key, std::uint64_t bytes) {
+  const auto it = partial_.find(key);
+  if (it == partial_.end()) return;  // the link failed meanwhile
+  it->second.received += bytes;
+  const std::uint64_t total = it->second.bytes->size();
+  if (it->second.received < total) return;
+  engine::MessageBytes whole = std::move(*it->second.bytes);
+  partial_.erase(it);
+  held_bytes_ -= total;
+  complete(key, std::move(whole));
+}
+
+void PeerLink::complete(std::pair<std::uint64_t, std::uint64_t> key, engine::MessageBytes whole) {
+  const auto [channel, seq] = key;
+  const std::uint64_t next = recv_next_[channel];
+  if (seq != next) {
     held_bytes_ += whole.size();
     if (held_bytes_ > kMaxHeldBytes) {
       throw Error(Code::resource_exhausted,
-                  "has more than 2 GiB of messages waiting for earlier ones" + where);
+                  "has more than 2 GiB of messages waiting for earlier ones (channel " +
+                      std::to_string(channel) + ", message " + std::to_string(seq) + ")");
     }
     early_.emplace(key, std::move(whole));
     return;
@@ -889,7 +951,7 @@ void PeerLink::deliver_in_order(std::uint64_t channel) {
     const std::uint64_t next = recv_next_[channel];
     const auto it = early_.find({channel, next});
     if (it == early_.end()) return;
-    std::vector<std::byte> bytes = std::move(it->second);
+    engine::MessageBytes bytes = std::move(it->second);
     early_.erase(it);
     held_bytes_ -= bytes.size();
     recv_next_[channel] = next + 1;

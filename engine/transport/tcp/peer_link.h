@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "engine/transport/tcp/peer_auth.h"
+#include "engine/transport/transport.h"
 #include "ipc/error.h"
 #include "ipc/frame.h"
 
@@ -90,9 +91,10 @@ class StreamSink {
 /// read loop that hands each message to the sink.
 class PeerStream : public std::enable_shared_from_this<PeerStream> {
  public:
-  /// A piece of an outgoing message, encoded when it is written.
+  /// A piece of an outgoing message: its frame is encoded when it is
+  /// written, its bytes go out in place after the frame.
   struct Chunk {
-    std::shared_ptr<const std::vector<std::byte>> payload;
+    std::shared_ptr<const engine::OutMessage> message;
     std::uint64_t channel = 0;
     std::uint64_t seq = 0;
     std::uint64_t offset = 0;
@@ -112,6 +114,11 @@ class PeerStream : public std::enable_shared_from_this<PeerStream> {
 
   void send_frame(std::vector<std::byte> frame);
   void send_chunk(Chunk chunk);
+  /// From inside StreamSink::on_stream_message for a data frame: the next
+  /// `bytes` bytes of the stream are raw chunk bytes, to be read into `dest`
+  /// (which `owner` keeps alive); `done` runs once they are there.
+  void expect_raw(std::byte* dest, std::uint64_t bytes, std::shared_ptr<void> owner,
+                  std::function<void()> done);
   /// Drops queued data, writes `last` (a PeerError), then closes (at the
   /// latest after one second).
   void close_after(std::vector<std::byte> last);
@@ -133,6 +140,9 @@ class PeerStream : public std::enable_shared_from_this<PeerStream> {
  private:
   void read_next();
   void on_read(const boost::system::error_code& ec, std::size_t n);
+  /// Hands out what the decoder holds (frames, raw bytes); reads on.
+  void drain();
+  void finish_raw();
   void write_next();
   void fail(Code code, const std::string& why, bool tell_peer);
 
@@ -145,10 +155,16 @@ class PeerStream : public std::enable_shared_from_this<PeerStream> {
   std::deque<Chunk> data_;
   // What the write in progress points into.
   std::vector<std::byte> current_frame_;
-  std::unique_ptr<capnp::MallocMessageBuilder> current_builder_;
-  std::vector<std::uint32_t> current_table_;
-  std::array<std::byte, ipc::kHeaderBytes> current_header_{};
+  std::shared_ptr<const engine::OutMessage> current_message_;
   std::function<void()> current_written_;
+  // Raw chunk bytes being read (expect_raw).
+  struct Raw {
+    std::byte* dest = nullptr;
+    std::uint64_t remaining = 0;
+    std::shared_ptr<void> owner;
+    std::function<void()> done;
+  };
+  Raw raw_;
   bool writing_ = false;
   bool closing_ = false;
   bool closed_ = false;
@@ -170,7 +186,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink>, public StreamSin
     virtual void link_dead(PeerLink& link, PeerState was, Code code, const std::string& why,
                            bool refused) = 0;
     virtual void link_data(PeerLink& link, std::uint64_t channel, std::uint64_t seq,
-                           std::vector<std::byte> payload) = 0;
+                           engine::MessageBytes payload) = 0;
     virtual ~Owner() = default;
   };
 
@@ -187,10 +203,10 @@ class PeerLink : public std::enable_shared_from_this<PeerLink>, public StreamSin
   /// deadlines.connect_ms of the first).
   void attach(std::shared_ptr<PeerStream> stream, const Handshake& handshake);
 
-  /// Sends `payload` on `channel`, chunked across the streams. `done` runs
-  /// once every chunk is written to a socket, or with the error that ended
-  /// the link. Queued while connecting.
-  void send(std::uint64_t channel, std::shared_ptr<const std::vector<std::byte>> payload,
+  /// Sends `message` on `channel`, chunked across the streams; its bytes are
+  /// written in place. `done` runs once every chunk is written to a socket,
+  /// or with the error that ended the link. Queued while connecting.
+  void send(std::uint64_t channel, std::shared_ptr<const engine::OutMessage> message,
             SendDone done);
   /// A heartbeat round trip; `done` runs with its RTT, or an error at `deadline`.
   void ping(PeerClock::time_point deadline, PingDone done);
@@ -233,11 +249,13 @@ class PeerLink : public std::enable_shared_from_this<PeerLink>, public StreamSin
   void heartbeat_tick();
   std::vector<std::byte> heartbeat_frame(std::uint64_t seq) const;
   void send_ping(std::uint64_t seq);
-  void start_send(std::uint64_t channel, std::shared_ptr<const std::vector<std::byte>> payload,
+  void start_send(std::uint64_t channel, std::shared_ptr<const engine::OutMessage> message,
                   SendDone done);
   void on_heartbeat(PeerStream& stream, peerwire::Heartbeat::Reader hb);
   void on_heartbeat_ack(PeerStream& stream, peerwire::HeartbeatAck::Reader ack);
-  void on_data(peerwire::DataChunk::Reader chunk);
+  void on_data(PeerStream& stream, peerwire::DataChunk::Reader chunk);
+  void on_raw_done(std::pair<std::uint64_t, std::uint64_t> key, std::uint64_t bytes);
+  void complete(std::pair<std::uint64_t, std::uint64_t> key, engine::MessageBytes bytes);
   void deliver_in_order(std::uint64_t channel);
 
   boost::asio::io_context& io_;
@@ -265,7 +283,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink>, public StreamSin
   // Sending.
   struct Queued {
     std::uint64_t channel;
-    std::shared_ptr<const std::vector<std::byte>> payload;
+    std::shared_ptr<const engine::OutMessage> message;
     SendDone done;
   };
   std::deque<Queued> queued_;  // until ready
@@ -280,11 +298,12 @@ class PeerLink : public std::enable_shared_from_this<PeerLink>, public StreamSin
 
   // Receiving.
   struct Partial {
-    std::vector<std::byte> bytes;
-    std::uint64_t received = 0;
+    std::shared_ptr<engine::MessageBytes> bytes;  // shared with the streams reading into it
+    std::map<std::uint64_t, std::uint64_t> chunks;  // offset -> end, announced so far
+    std::uint64_t received = 0;                     // bytes read in
   };
   std::map<std::pair<std::uint64_t, std::uint64_t>, Partial> partial_;  // (channel, seq)
-  std::map<std::pair<std::uint64_t, std::uint64_t>, std::vector<std::byte>> early_;
+  std::map<std::pair<std::uint64_t, std::uint64_t>, engine::MessageBytes> early_;
   std::uint64_t held_bytes_ = 0;  // in partial_ and early_
   std::map<std::uint64_t, std::uint64_t> recv_next_;  // channel -> next seq to deliver
 

@@ -361,7 +361,7 @@ void PeerManager::link_dead(PeerLink& link, PeerState was, Code code, const std:
 }
 
 void PeerManager::link_data(PeerLink& link, std::uint64_t channel, std::uint64_t seq,
-                            std::vector<std::byte> payload) {
+                            engine::MessageBytes payload) {
   const auto h = handlers_.find(channel);
   if (h != handlers_.end()) {
     DataHandler handler = h->second;  // it may unregister itself
@@ -403,7 +403,14 @@ void PeerManager::on_data(std::uint64_t channel, DataHandler handler) {
 
 void PeerManager::send(const std::string& peer, std::uint64_t channel,
                        std::vector<std::byte> payload, SendDone done) {
-  auto shared = std::make_shared<const std::vector<std::byte>>(std::move(payload));
+  engine::OutMessage message;
+  message.head = std::move(payload);
+  send(peer, channel, std::move(message), std::move(done));
+}
+
+void PeerManager::send(const std::string& peer, std::uint64_t channel, engine::OutMessage message,
+                       SendDone done) {
+  auto shared = std::make_shared<const engine::OutMessage>(std::move(message));
   asio::post(io_, [this, peer, channel, shared, done = std::move(done)]() mutable {
     if (stopping_) {
       if (done) done({Code::aborted, "collectived on node " + options_.local.node + " is stopping"});

@@ -5,7 +5,7 @@
 //   PeerManager peers(io, options, log);
 //   peers.listen();                                   // if peer.port != 0
 //   peers.on_data(channel, [](const std::string& peer, std::uint64_t channel,
-//                             std::uint64_t seq, std::vector<std::byte> payload) {...});
+//                             std::uint64_t seq, engine::MessageBytes payload) {...});
 //   peers.send("10.0.0.7:47600", channel, std::move(bytes), [](const PeerResult& r) {...});
 //   peers.ping("10.0.0.7:47600", [](const PingReply& r) {...});
 //   peers.on_peer_down([](const std::string& peer, const std::string& node, Code,
@@ -64,7 +64,7 @@ struct PeerStatus {
 class PeerManager final : private PeerLink::Owner {
  public:
   using DataHandler = std::function<void(const std::string& peer, std::uint64_t channel,
-                                         std::uint64_t seq, std::vector<std::byte> payload)>;
+                                         std::uint64_t seq, engine::MessageBytes payload)>;
   /// A ready connection to `peer` (node `node`) ended: its sends failed, and
   /// nothing more will arrive on it. `why` names the node and the reason.
   using DownHandler = std::function<void(const std::string& peer, const std::string& node,
@@ -86,6 +86,11 @@ class PeerManager final : private PeerLink::Owner {
   /// `done` runs on the event loop once the whole payload is written to the
   /// peer's sockets (not yet read by it), or with an error naming the peer.
   void send(const std::string& peer, std::uint64_t channel, std::vector<std::byte> payload,
+            SendDone done);
+  /// The same for a message whose payload pieces are written in place: they
+  /// must stay valid and unchanged until `done` runs (`message.keep` may own
+  /// them).
+  void send(const std::string& peer, std::uint64_t channel, engine::OutMessage message,
             SendDone done);
   /// Routes messages of `channel` to `handler` (an empty one unregisters).
   /// Messages that arrive before a handler is registered are kept (up to
@@ -124,7 +129,7 @@ class PeerManager final : private PeerLink::Owner {
   struct Unclaimed {
     std::string peer;
     std::uint64_t seq;
-    std::vector<std::byte> payload;
+    engine::MessageBytes payload;
   };
 
   // PeerLink::Owner
@@ -132,7 +137,7 @@ class PeerManager final : private PeerLink::Owner {
   void link_dead(PeerLink& link, PeerState was, Code code, const std::string& why,
                  bool refused) override;
   void link_data(PeerLink& link, std::uint64_t channel, std::uint64_t seq,
-                 std::vector<std::byte> payload) override;
+                 engine::MessageBytes payload) override;
 
   PeerLink::Owner& owner() { return *this; }
   void accept_next();

@@ -412,6 +412,10 @@ bool run_until(boost::asio::io_context& io, const std::function<bool()>& done,
   return done();
 }
 
+std::vector<std::byte> bytes_of(const engine::MessageBytes& m) {
+  return std::vector<std::byte>(m.data(), m.data() + m.size());
+}
+
 std::vector<std::byte> pattern(std::size_t n, unsigned k) {
   std::vector<std::byte> v(n);
   for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((k * 31 + i * 7) & 0xff);
@@ -444,8 +448,8 @@ TEST_CASE("two managers: chunked data across streams, in order, whole; pings; st
 
   std::vector<Received> got;
   b.manager->on_data(5, [&](const std::string& peer, std::uint64_t channel, std::uint64_t seq,
-                            std::vector<std::byte> payload) {
-    got.push_back({peer, channel, seq, std::move(payload)});
+                            engine::MessageBytes payload) {
+    got.push_back({peer, channel, seq, bytes_of(payload)});
   });
   const std::vector<std::size_t> sizes = {0,         1,       100, 64 * 1024 - 1, 64 * 1024,
                                           64 * 1024 + 1, (1 << 20) + 17, 3 << 20, 10, 5};
@@ -469,8 +473,8 @@ TEST_CASE("two managers: chunked data across streams, in order, whole; pings; st
   }
   std::vector<Received> late;
   b.manager->on_data(9, [&](const std::string& peer, std::uint64_t channel, std::uint64_t seq,
-                            std::vector<std::byte> payload) {
-    late.push_back({peer, channel, seq, std::move(payload)});
+                            engine::MessageBytes payload) {
+    late.push_back({peer, channel, seq, bytes_of(payload)});
   });
   REQUIRE(run_until(io, [&] { return late.size() == 1; }, std::chrono::seconds(5)));
   CHECK(late[0].payload == pattern(200000, 99));
@@ -478,8 +482,8 @@ TEST_CASE("two managers: chunked data across streams, in order, whole; pings; st
   // b answers on the connection a opened: no second connection.
   std::vector<Received> back;
   a.manager->on_data(5, [&](const std::string& peer, std::uint64_t channel, std::uint64_t seq,
-                            std::vector<std::byte> payload) {
-    back.push_back({peer, channel, seq, std::move(payload)});
+                            engine::MessageBytes payload) {
+    back.push_back({peer, channel, seq, bytes_of(payload)});
   });
   b.manager->send(a.address(), 5, pattern(300000, 3), {});
   REQUIRE(run_until(io, [&] { return back.size() == 1; }, std::chrono::seconds(5)));
@@ -562,7 +566,7 @@ TEST_CASE("bench: send throughput between two managers" * doctest::skip()) {
       constexpr int kMessages = 64;
       std::atomic<int> received{0};
       b.manager->on_data(1, [&](const std::string&, std::uint64_t, std::uint64_t,
-                                std::vector<std::byte> p) {
+                                engine::MessageBytes p) {
         if (p.size() == kMessage) ++received;
       });
       auto guard_a = boost::asio::make_work_guard(io_a);
@@ -593,5 +597,151 @@ TEST_CASE("bench: send throughput between two managers" * doctest::skip()) {
     }
   }
   b.manager.reset();
+  std::filesystem::remove_all(dir);
+}
+
+// --- The raw chunk bytes of protocol 2, from a hand-driven authenticated peer -----
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <mutex>
+
+namespace {
+
+/// The honest initiator's handshake over a blocking socket to `n`; the
+/// connected, authenticated descriptor.
+int connect_authenticated(const Node& n, const std::string& secret_file) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(n.options.port);
+  ::inet_pton(AF_INET, n.ip.c_str(), &sa.sin_addr);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
+  timeval tv{10, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  auto loaded = load_secret(secret_file);
+  Handshake hs(loaded.secret, identity("raw", ""), random_u64(), 0, 1, n.address());
+  auto send_all = [&](const std::vector<std::vector<std::byte>>& frames) {
+    for (const auto& f : frames) REQUIRE(::send(fd, f.data(), f.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(f.size()));
+  };
+  ipc::FrameDecoder decoder(ipc::Limits::for_max_frame(1 << 20));
+  send_all(hs.start());
+  while (hs.state() == Handshake::State::in_progress) {
+    auto frame = decoder.next();
+    if (!frame) {
+      const auto space = decoder.read_space();
+      const ssize_t got = ::recv(fd, space.data(), space.size(), 0);
+      REQUIRE(got > 0);
+      decoder.commit(static_cast<std::size_t>(got));
+      continue;
+    }
+    send_all(hs.on_message(frame->root<peerwire::PeerMessage>()));
+  }
+  REQUIRE_MESSAGE(hs.state() == Handshake::State::done, hs.error());
+  return fd;
+}
+
+/// A data frame announcing `raw` bytes at `offset` of message `seq` (of
+/// `total` bytes) on channel 7, followed by those bytes of `message`.
+std::vector<std::byte> raw_chunk(std::uint64_t seq, std::uint64_t offset, std::uint64_t total,
+                                 std::uint64_t raw, const std::vector<std::byte>& message) {
+  capnp::MallocMessageBuilder b(64);
+  auto d = b.initRoot<peerwire::PeerMessage>().initData();
+  d.setChannel(7);
+  d.setSeq(seq);
+  d.setOffset(offset);
+  d.setTotal(total);
+  d.setRaw(raw);
+  auto out = ipc::encode_frame(b);
+  out.insert(out.end(), message.begin() + offset, message.begin() + offset + raw);
+  return out;
+}
+
+std::uint64_t rss_bytes() {
+  std::ifstream f("/proc/self/statm");
+  std::uint64_t size = 0, resident = 0;
+  f >> size >> resident;
+  return resident * static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+}  // namespace
+
+TEST_CASE("raw chunk bytes: reassembled out of order; a huge announcement costs only what "
+          "arrives; overlapping chunks are refused") {
+  const std::string dir = temp_dir();
+  const std::string secret_file = dir + "/secret";
+  std::ofstream(secret_file) << "an in-process test secret, 32 bytes+";
+  ::chmod(secret_file.c_str(), 0600);
+  const int log_fd = ::open((dir + "/log").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  engine::Logger log(config::LogLevel::debug, log_fd);
+  boost::asio::io_context io;
+  Node b{"b", "127.0.0.3", {}, {}};
+  start(b, io, log, secret_file);
+  // This hand-driven peer answers no heartbeats: slow them down.
+  b.manager.reset();
+  b.options.heartbeat_interval = std::chrono::seconds(30);
+  b.manager = std::make_unique<PeerManager>(io, b.options, log);
+  b.manager->listen();
+  std::mutex mu;
+  std::vector<std::vector<std::byte>> got;
+  b.manager->on_data(7, [&](const std::string&, std::uint64_t, std::uint64_t,
+                            engine::MessageBytes p) {
+    std::lock_guard l(mu);
+    got.push_back(bytes_of(p));
+  });
+  auto guard = boost::asio::make_work_guard(io);
+  std::thread loop([&] { io.run(); });
+  const int fd = connect_authenticated(b, secret_file);
+  auto send_bytes = [&](const std::vector<std::byte>& bytes) {
+    REQUIRE(::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size()));
+  };
+  auto received = [&] {
+    std::lock_guard l(mu);
+    return got.size();
+  };
+
+  // Message 0 (100 bytes) in two chunks, the second half first: delivered
+  // once, whole. Message 1 (empty) right after it.
+  const auto m0 = pattern(100, 5);
+  send_bytes(raw_chunk(0, 50, 100, 50, m0));
+  send_bytes(raw_chunk(0, 0, 100, 50, m0));
+  send_bytes(raw_chunk(1, 0, 0, 0, {}));
+  for (int i = 0; i < 500 && received() < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  REQUIRE(received() == 2);
+  {
+    std::lock_guard l(mu);
+    CHECK(got[0] == m0);
+    CHECK(got[1].empty());
+  }
+
+  // Message 2 announces 1 GiB and sends 16 bytes: the buffer is not zero-filled,
+  // so only the pages written are resident.
+  const std::uint64_t before = rss_bytes();
+  const auto m2 = pattern(64, 6);
+  send_bytes(raw_chunk(2, 0, std::uint64_t{1} << 30, 16, m2));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const std::uint64_t after = rss_bytes();
+  CHECK_MESSAGE(after < before + (64u << 20), "resident " << before << " -> " << after);
+
+  // A chunk overlapping the first one: refused, the stream closed with why.
+  send_bytes(raw_chunk(2, 8, std::uint64_t{1} << 30, 16, m2));
+  std::string answer;
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    answer.append(buf, static_cast<std::size_t>(n));
+  }
+  CHECK(answer.find("sent overlapping chunks (channel 7, message 2)") != std::string::npos);
+  CHECK(received() == 2);
+  ::close(fd);
+  b.manager.reset();
+  guard.reset();
+  io.stop();
+  loop.join();
+  ::close(log_fd);
   std::filesystem::remove_all(dir);
 }

@@ -2,14 +2,14 @@
 
 namespace collectived::tcp {
 
-void PeerTransport::send(const std::string& address, std::vector<std::byte> message, Done done) {
+void PeerTransport::send(const std::string& address, engine::OutMessage message, Done done) {
   peers_.send(address, kEngineChannel, std::move(message),
               [done = std::move(done)](const PeerResult& r) { done(r.code, r.message); });
 }
 
 void PeerTransport::connect(PeerManager& peers, engine::Engine& engine) {
   peers.on_data(kEngineChannel, [&engine](const std::string& peer, std::uint64_t,
-                                          std::uint64_t, std::vector<std::byte> payload) {
+                                          std::uint64_t, engine::MessageBytes payload) {
     engine.node_message(peer, std::move(payload));
   });
   peers.on_peer_down([&engine](const std::string& peer, const std::string& node, Code,

@@ -17,7 +17,7 @@ inline constexpr std::uint64_t kEngineChannel = 2;
 class PeerTransport final : public engine::NodeTransport {
  public:
   explicit PeerTransport(PeerManager& peers) : peers_(peers) {}
-  void send(const std::string& address, std::vector<std::byte> message, Done done) override;
+  void send(const std::string& address, engine::OutMessage message, Done done) override;
 
   /// Routes the engine channel and peer failures of `peers` to `engine`.
   static void connect(PeerManager& peers, engine::Engine& engine);

@@ -189,8 +189,8 @@ std::shared_ptr<VerbsNodeTransport::Peer> VerbsNodeTransport::peer_for(const std
   return it == peers_.end() ? nullptr : it->second;
 }
 
-void VerbsNodeTransport::send(const std::string& address, std::vector<std::byte> message,
-                              Done done) {
+void VerbsNodeTransport::send(const std::string& address, engine::OutMessage out, Done done) {
+  std::vector<std::byte> message = out.flatten();
   std::shared_ptr<Peer> peer = peer_for(address, true);
   if (!peer) add_pair(address, nullptr, "no verbs connection to " + address);
   peer = peer_for(address, false);

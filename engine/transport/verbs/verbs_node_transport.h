@@ -34,9 +34,10 @@ class VerbsNodeTransport final : public engine::NodeTransport {
                      Clock::duration send_deadline);
   ~VerbsNodeTransport() override;
 
-  /// Queues `message`; `done` runs on the peer's sender thread once the write
+  /// Queues `message` (copied into one buffer here: the pair writes from its
+  /// registered pool); `done` runs on the peer's sender thread once the write
   /// completed (or failed, with the pair's error naming the node).
-  void send(const std::string& address, std::vector<std::byte> message, Done done) override;
+  void send(const std::string& address, engine::OutMessage message, Done done) override;
 
   /// Uses `pair` for `address` (a connection the peer opened, or one made ahead).
   void add_pair(const std::string& address, std::unique_ptr<Pair> pair);
