@@ -248,9 +248,46 @@ T as_enum(const YAML::Node& node, const Context& ctx, std::span<const EnumName<T
 }
 
 // Empty (null) means the empty string, so `name:` and `name: ""` agree.
+// Well-formed UTF-8 (no overlongs, surrogates or code points above U+10FFFF).
+bool valid_utf8(std::string_view s) {
+  std::size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    std::size_t n = 0;
+    std::uint32_t cp = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      n = 1, cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      n = 2, cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      n = 3, cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (i + n >= s.size()) return false;  // truncated sequence
+    for (std::size_t k = 1; k <= n; ++k) {
+      const auto d = static_cast<unsigned char>(s[i + k]);
+      if ((d & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (d & 0x3F);
+    }
+    static constexpr std::uint32_t kMin[] = {0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += n + 1;
+  }
+  return true;
+}
+
 std::string as_string(const YAML::Node& node, const Context& ctx) {
   if (node.IsNull()) return {};
-  return scalar(node, ctx, "a string");
+  const std::string& s = scalar(node, ctx, "a string");
+  // The YAML emitter writes invalid UTF-8 as U+FFFD, so such a value would
+  // not survive --print-profile and loading again (found by profile_fuzz: a
+  // socket path of 68 bytes came back as 210).
+  if (!valid_utf8(s)) ctx.fail(node, "is not valid UTF-8");
+  return s;
 }
 
 // Empty (null) means the empty list.

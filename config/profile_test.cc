@@ -522,3 +522,18 @@ TEST_CASE("a stray flow indicator at the top is a syntax error, not an endless p
     CHECK(e.line() == 3);
   }
 }
+
+TEST_CASE("a string that is not UTF-8 is refused (it would not survive to_yaml)") {
+  // Found by tests/fuzz/profile_fuzz: yaml-cpp's emitter writes invalid UTF-8
+  // as U+FFFD, so a 68-byte socket path came back as 210 bytes.
+  try {
+    cfg::load_profile_text("f.yaml", "client:\n  socket: /tmp/x\xff.sock\n", {});  // a raw 0xff byte
+    FAIL("a socket path with byte 0xff was accepted");
+  } catch (const cfg::ProfileError& e) {
+    CHECK(std::string(e.what()).find("client.socket") != std::string::npos);
+    CHECK(std::string(e.what()).find("not valid UTF-8") != std::string::npos);
+  }
+  CHECK_THROWS_AS(cfg::load_profile_text("f.yaml", "node:\n  name: a\xc3\n", {}), cfg::ProfileError);
+  CHECK(cfg::load_profile_text("f.yaml", "node:\n  name: \"h\\xe9llo \\u20ac\"\n", {}).node.name ==
+        "h\xc3\xa9llo \xe2\x82\xac");
+}

@@ -285,7 +285,7 @@ TEST_CASE("a client that disconnects mid-request is cleaned up") {
     m.setId(2);
     m.initRegisterHost().setSize(4096);
     auto frame = ipc::encode_frame(b, 1);
-    frame.resize(frame.size() - 5);  // half a frame, then gone
+    frame.erase(frame.end() - 5, frame.end());  // half a frame, then gone (erase, not resize: GCC 12 -O1 with ASan warns that resize may grow by 2^64 - 6)
     c.send_bytes(frame, {mem.get()});
   }
   CHECK(d.wait_for_log("client_disconnected_mid_request", 5s));

@@ -141,6 +141,7 @@ TEST_CASE("status, comms and peers name a stuck operation's missing rank with it
   idle.child->kill(SIGKILL);
   idle.child->wait(10s);
   collective_request_free(req);
+  collective_comm_abort(comm);  // frees it (LeakSanitizer found it left behind)
   collective_disconnect(c);
 }
 
@@ -181,6 +182,7 @@ TEST_CASE("across nodes: the node whose rank did not arrive shows the operation 
   idle.child->kill(SIGKILL);
   idle.child->wait(10s);
   collective_request_free(req);
+  collective_comm_abort(comm);  // frees it (LeakSanitizer found it left behind)
   collective_disconnect(c);
 }
 

@@ -167,6 +167,8 @@ TEST_CASE("scraping a daemon over TCP: operations, bytes, latency, errors, conne
   CHECK(sample(text, "collectived_open_fds") > 0);
 
   CHECK(http_get(addr, "/other").rfind("HTTP/1.0 404", 0) == 0);
+  collective_comm_destroy(a.comm);  // frees them (LeakSanitizer found them left behind)
+  collective_comm_destroy(b.comm);
   collective_disconnect(a.client);
   collective_disconnect(b.client);
 }

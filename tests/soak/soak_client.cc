@@ -83,6 +83,12 @@ Args parse(int argc, char** argv) {
   }
   if (a.sockets.empty() || a.ranks < 1 || a.comms < 1) usage();
   a.socket = a.sockets[0];
+  // Small operations need small buffers. Sized for the default 16 Ki
+  // elements, each of 64 ranks had 16 x 2 buffers of 8 MiB and cleared one
+  // before every operation: 16 GiB of memfd pages touched on a 24 GiB
+  // machine, and first-touch page faults that made each submission take
+  // about a second (what scripts/load measured as p99 46 s).
+  if (a.small) a.max_count = std::min<std::size_t>(a.max_count, 64);
   return a;
 }
 
@@ -115,6 +121,8 @@ struct Rank {
   std::vector<CommState> comms;
   std::uint64_t ops = 0, failures = 0;
   std::vector<double> latencies_us;
+  Clock::time_point began = Clock::now();
+  double setup_ms = 0, start_wait_ms = 0;
 
   void fail(const std::string& what) {
     if (++failures <= 10) std::fprintf(stderr, "soak rank %d: %s\n", rank, what.c_str());
@@ -129,7 +137,7 @@ Plan make_plan(std::mt19937_64& rng, const Args& a, int n) {
   p.dtype = static_cast<collective_dtype_t>(rng() % 10);
   p.redop = static_cast<collective_redop_t>(rng() % 5);
   // Sizes: mostly small, sometimes up to max_count (log-uniform).
-  const std::size_t hi = a.small ? 64 : a.max_count;
+  const std::size_t hi = a.max_count;
   const int bits = static_cast<int>(rng() % (64 - __builtin_clzll(hi) + 1));
   p.count = std::min<std::size_t>(hi, (std::size_t{1} << bits) - 1 + rng() % 3);
   if (p.op == Op::barrier) p.count = 0;
@@ -258,7 +266,7 @@ bool any(Rank& r, bool flag) {
 }
 
 int run_rank(const Args& a, int rank, const std::vector<collective_unique_id_t>& ids) {
-  Rank r{a, rank, nullptr, {}, 0, 0, {}};
+  Rank r{a, rank, nullptr, {}, 0, 0, {}, Clock::now(), 0, 0};
   const std::string name = "soak rank " + std::to_string(rank);
   // Ranks spread over the daemons given (nodes): communicators span them all.
   const std::string& socket = a.sockets[rank % a.sockets.size()];
@@ -274,8 +282,19 @@ int run_rank(const Args& a, int rank, const std::vector<collective_unique_id_t>&
     }
     if (!alloc_buffers(r, r.comms[k])) return 1;
   }
+  // Every rank waits here until all have set up their communicators: setting
+  // up 16 communicators of 64 ranks on 2 cores takes tens of seconds, and
+  // without this start line each rank's clock started at a different time
+  // and the first operations' latencies were the other ranks' set-up time
+  // (scripts/load's p99 of 46 s).
+  const auto setup_done = Clock::now();
+  const bool stop_now = any(r, false);
+  const auto start = Clock::now();
+  r.setup_ms = std::chrono::duration<double, std::milli>(setup_done - r.began).count();
+  r.start_wait_ms = std::chrono::duration<double, std::milli>(start - setup_done).count();
+  if (stop_now) return 1;
   std::mt19937_64 rng(a.seed);  // the same plan on every rank
-  const auto end = Clock::now() + std::chrono::duration<double>(a.seconds);
+  const auto end = start + std::chrono::duration<double>(a.seconds);
   std::uint64_t rounds = 0;
   for (;;) {
     if (rounds % 8 == 0 && any(r, Clock::now() >= end)) break;
@@ -352,8 +371,9 @@ int run_rank(const Args& a, int rank, const std::vector<collective_unique_id_t>&
     collective_host_free(r.client, c.recv);
   }
   collective_disconnect(r.client);
-  std::printf("rank=%d rounds=%" PRIu64 " operations=%" PRIu64 " failures=%" PRIu64, rank, rounds,
-              r.ops, r.failures);
+  std::printf("rank=%d rounds=%" PRIu64 " operations=%" PRIu64 " failures=%" PRIu64
+              " setup_ms=%.0f start_wait_ms=%.0f",
+              rank, rounds, r.ops, r.failures, r.setup_ms, r.start_wait_ms);
   if (!a.latency_dir.empty()) {
     if (std::FILE* f = std::fopen((a.latency_dir + "/rank-" + std::to_string(rank)).c_str(), "w")) {
       for (double l : r.latencies_us) std::fprintf(f, "%.1f\n", l);

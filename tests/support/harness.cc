@@ -136,9 +136,14 @@ Child::~Child() {
   }
 }
 
-void Child::kill(int sig) { ::kill(pid_, sig); }
+// Never kill(-1, sig) (every process this user may signal) once the child
+// has been waited for (pid_ is -1 then).
+void Child::kill(int sig) {
+  if (pid_ > 0) ::kill(pid_, sig);
+}
 
 ExitStatus Child::wait(std::chrono::milliseconds timeout) {
+  if (pid_ <= 0) return ExitStatus{};  // already waited for: never waitpid(-1)
   ExitStatus s = wait_child(pid_, timeout);
   pid_ = -1;
   return s;
