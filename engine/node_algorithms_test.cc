@@ -151,7 +151,7 @@ void run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorith
       // The in-place layout: the send data sits where the output goes.
       const std::uint64_t at = c.kind == OpKind::all_gather ? r * c.count : 0;
       if (c.kind == OpKind::reduce_scatter) recv[r] = send[r];
-      else std::memcpy(recv[r].data() + at, send[r].data(), send[r].size() * 4);
+      else if (!send[r].empty()) std::memcpy(recv[r].data() + at, send[r].data(), send[r].size() * 4);
     }
   }
   Fabric fabric(nodes);
