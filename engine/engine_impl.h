@@ -709,13 +709,22 @@ struct Engine::Impl {
     }
     auto answers = std::make_shared<std::vector<Delivery>>();
     complete_slot(comm, seq, *answers);
+    answer_when_done(answers, seq, out, [&](auto done) { gpu->run(std::move(op), std::move(done)); });
+  }
+
+  /// Calls start(done) for GPU work whose completion answers `answers`:
+  /// `done(code, message)` delivers them (failed unless ok); an Error thrown
+  /// by `start` fails them into `out` at once.
+  template <typename Start>
+  void answer_when_done(const std::shared_ptr<std::vector<Delivery>>& answers, std::uint64_t seq,
+                        std::vector<Delivery>& out, Start&& start) {
     try {
-      gpu->run(std::move(op), [this, answers, seq](Code code, std::string message) {
+      start(std::function<void(Code, std::string)>([this, answers, seq](Code code, std::string message) {
         if (code != Code::ok) {
           for (auto& d : *answers) d.result = error(code, message, seq);
         }
         deliver(*answers);
-      });
+      }));
     } catch (const Error& e) {
       for (auto& d : *answers) {
         d.result = error(e.code(), e.what(), seq);
@@ -802,19 +811,9 @@ struct Engine::Impl {
     observe_slot(comm, slot, Code::ok);
     if (slot.gpu_stage) {
       auto answers = std::make_shared<std::vector<Delivery>>(std::move(staged));
-      try {
-        gpu->stage_out(std::move(slot.gpu_stage), [this, answers, seq](Code code, std::string message) {
-          if (code != Code::ok) {
-            for (auto& d : *answers) d.result = error(code, message, seq);
-          }
-          deliver(*answers);
-        });
-      } catch (const Error& e) {
-        for (auto& d : *answers) {
-          d.result = error(e.code(), e.what(), seq);
-          out_.push_back(std::move(d));
-        }
-      }
+      answer_when_done(answers, seq, out_, [&](auto done) {
+        gpu->stage_out(std::move(slot.gpu_stage), std::move(done));
+      });
     }
     end_slot(comm, it);
   }
