@@ -24,6 +24,8 @@
 #include <cstring>
 #include <thread>
 
+#include <pthread.h>
+
 #include "engine/engine_impl.h"
 #include "ipc/node.capnp.h"
 
@@ -294,7 +296,11 @@ void Engine::Impl::attach_nodes(const std::shared_ptr<Comm>& cp) {
   if (comm.inbox->broken) comm.broken = comm.inbox->broken;
   comm.exec = std::make_shared<Executor>();
   ++executors;
-  std::thread([this, ex = comm.exec] { executor_loop(ex); }).detach();
+  std::thread([this, ex = comm.exec] {
+    // Named for top -H / perf: one such thread per communicator spanning nodes.
+    ::pthread_setname_np(::pthread_self(), "cd-executor");
+    executor_loop(ex);
+  }).detach();
 }
 
 void Engine::Impl::executor_loop(std::shared_ptr<Executor> ex) {
