@@ -198,6 +198,7 @@ struct Executor {
   // Node thread only:
   std::unique_ptr<Fiber> fiber;  // running the jobs
   bool waiting = false;          // the fiber yielded in wait()
+  Clock::time_point resumed_at;  // when the fiber last got the thread
   /// Scratch memory of the operations (NodeChannel::scratch).
   std::shared_ptr<MessageBytes> scratch;
 
@@ -210,6 +211,10 @@ struct Executor {
   static void wait(Executor& ex);
   /// On the node thread: resumes the fiber, or starts one for queued jobs.
   static void drive(const std::shared_ptr<Executor>& ex);
+  /// From inside the fiber: gives the thread to the other handlers of the
+  /// event loop (clients, heartbeats, other communicators) if it has held it
+  /// for more than a few milliseconds, then goes on.
+  static void take_turns(const std::shared_ptr<Executor>& ex);
 };
 
 struct Comm {

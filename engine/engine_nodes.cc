@@ -221,6 +221,7 @@ class EngineChannel final : public NodeChannel {
   }
 
   NodePayload recv(int from, std::uint64_t tag) override {
+    Executor::take_turns(comm_->exec);
     std::unique_lock lock(I_.mu);
     Inbox& in = *comm_->inbox;
     const auto key = std::make_tuple(seq_, tag, from);
@@ -406,6 +407,7 @@ void Executor::drive(const std::shared_ptr<Executor>& ex) {
     });
   }
   ex->waiting = false;
+  ex->resumed_at = Clock::now();
   bool finished = true;
   try {
     finished = ex->fiber->resume();
@@ -415,6 +417,14 @@ void Executor::drive(const std::shared_ptr<Executor>& ex) {
                  e.what());
   }
   if (finished) ex->fiber.reset();
+}
+
+void Executor::take_turns(const std::shared_ptr<Executor>& ex) {
+  // 5 ms: long enough that a large operation's chunks go by in batches, short
+  // enough for heartbeats (deadlines.heartbeat_ms) and small operations.
+  if (Clock::now() - ex->resumed_at < std::chrono::milliseconds(5)) return;
+  wake(ex);
+  wait(*ex);
 }
 
 void Engine::Impl::wake_executors() {
