@@ -10,7 +10,7 @@
  * beat on this machine; it bounds collective-perf, Open MPI and Gloo alike.
  * (All-gather and reduce-scatter move (N-1)/N * S per node: the same rate.)
  *
- * usage: tcp-ring [-t N] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP]
+ * usage: tcp-ring [-t N] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-p PIECE] [-s SOCKBUF]
  * Only loopback addresses are used. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -75,7 +75,7 @@ static void stream(int out, int in, uint64_t bytes, char* sbuf, char* rbuf, size
 
 int main(int argc, char** argv) {
   int n = 4, iters = 10, warmup = 3;
-  uint64_t minb = 1 << 20, maxb = 64 << 20, factor = 2;
+  uint64_t minb = 1 << 20, maxb = 64 << 20, factor = 2, piece_bytes = 1 << 20, sockbuf = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "-t")) n = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "-b")) minb = parse_size(argv[i + 1]);
@@ -83,12 +83,16 @@ int main(int argc, char** argv) {
     else if (!strcmp(argv[i], "-f")) factor = parse_size(argv[i + 1]);
     else if (!strcmp(argv[i], "-n")) iters = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "-w")) warmup = atoi(argv[i + 1]);
+    else if (!strcmp(argv[i], "-p")) piece_bytes = parse_size(argv[i + 1]);
+    else if (!strcmp(argv[i], "-s")) sockbuf = parse_size(argv[i + 1]);
     else {
-      fprintf(stderr, "usage: tcp-ring [-t N] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP]\n");
+      fprintf(stderr,
+              "usage: tcp-ring [-t N] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP]\n"
+              "                [-p PIECE (bytes per send/recv call, 1M)] [-s SOCKBUF (SO_SNDBUF/SO_RCVBUF, kernel default)]\n");
       return 2;
     }
   }
-  if (n < 2 || n > 200 || factor < 2 || minb == 0) {
+  if (n < 2 || n > 200 || factor < 2 || minb == 0 || piece_bytes == 0) {
     fprintf(stderr, "tcp-ring: bad arguments\n");
     return 2;
   }
@@ -127,7 +131,12 @@ int main(int argc, char** argv) {
   setsockopt(out, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   int in = accept(ls, NULL, NULL);
   if (in < 0) die("accept");
-  const size_t piece = 1 << 20;
+  if (sockbuf != 0) {
+    const int b = (int)sockbuf;
+    setsockopt(out, SOL_SOCKET, SO_SNDBUF, &b, sizeof b);
+    setsockopt(in, SOL_SOCKET, SO_RCVBUF, &b, sizeof b);
+  }
+  const size_t piece = (size_t)piece_bytes;
   char* sbuf = malloc(piece);
   char* rbuf = malloc(piece);
   memset(sbuf, 1, piece);
