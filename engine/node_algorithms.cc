@@ -70,6 +70,9 @@ void copy_bytes(std::byte* dst, const std::byte* src, std::uint64_t bytes) {
   if (bytes != 0 && dst != src) std::memmove(dst, src, bytes);
 }
 
+/// Passes over whole buffers from this size on run through NodeChannel::compute.
+constexpr std::uint64_t kOffloadBytes = std::uint64_t{1} << 20;
+
 class Algorithms {
  public:
   Algorithms(NodeChannel& ch, const NodeAlgorithmOptions& o, std::uint64_t base)
@@ -373,16 +376,36 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
   if (L.empty()) throw Error(Code::internal, "a node collective without local ranks");
   // avg is a sum until the very end, where it is divided once by nranks.
   const RedOp combine = op.redop == RedOp::avg ? RedOp::sum : op.redop;
+  // Passes over whole buffers leave the thread that serves the peers when
+  // large (NodeChannel::compute); per-chunk work stays where the chunk is.
+  auto pass = [&](std::uint64_t bytes, const std::function<void()>& work) {
+    if (bytes >= kOffloadBytes) {
+      ch.compute(work);
+    } else {
+      work();
+    }
+  };
   auto finish_avg = [&](std::byte* p, std::uint64_t bytes) {
     if (op.redop != RedOp::avg || bytes == 0) return;
-    const void* src[1] = {p};
-    reduce(op.dtype, RedOp::avg, p, src, 1, bytes / es, static_cast<std::size_t>(op.nranks));
+    pass(bytes, [&] {
+      const void* src[1] = {p};
+      reduce(op.dtype, RedOp::avg, p, src, 1, bytes / es, static_cast<std::size_t>(op.nranks));
+    });
   };
   auto local_reduce = [&](std::byte* dst, std::uint64_t bytes) {
     if (bytes == 0) return;
-    std::vector<const void*> srcs;
-    for (const auto& b : L) srcs.push_back(b.send);
-    reduce(op.dtype, combine, dst, srcs.data(), srcs.size(), bytes / es, 1);
+    pass(bytes * L.size(), [&] {
+      std::vector<const void*> srcs;
+      for (const auto& b : L) srcs.push_back(b.send);
+      reduce(op.dtype, combine, dst, srcs.data(), srcs.size(), bytes / es, 1);
+    });
+  };
+  // The same `bytes` from `src` to every local rank's output but the first.
+  auto copy_to_others = [&](const std::byte* src, std::uint64_t bytes) {
+    if (L.size() < 2) return;
+    pass(bytes * (L.size() - 1), [&] {
+      for (std::size_t k = 1; k < L.size(); ++k) copy_bytes(L[k].recv, src, bytes);
+    });
   };
   Algorithms algo(ch, options, base);
 
@@ -412,12 +435,14 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
       }
       if (op.redop == RedOp::avg) ch.flush();  // `w` went out in place; divided next
       finish_avg(w, one);
-      for (std::size_t k = 1; k < L.size(); ++k) copy_bytes(L[k].recv, w, one);
+      copy_to_others(w, one);
       return;
     }
     case OpKind::all_gather: {
       std::byte* w = L[0].recv;
-      for (const auto& b : L) copy_bytes(w + b.rank * one, b.send, one);
+      pass(one * L.size(), [&] {
+        for (const auto& b : L) copy_bytes(w + b.rank * one, b.send, one);
+      });
       const auto segs = rank_segments(op.node_of_rank, one, n);
       if (use_direct(one * op.nranks, options)) {
         algo.direct_all_gather(w, segs, 1);
@@ -426,7 +451,7 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
       } else {
         algo.ring_all_gather(w, segs, 1);
       }
-      for (std::size_t k = 1; k < L.size(); ++k) copy_bytes(L[k].recv, w, one * op.nranks);
+      copy_to_others(w, one * op.nranks);
       return;
     }
     case OpKind::reduce_scatter: {
@@ -440,10 +465,10 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
         algo.ring_reduce_scatter(t, rank_segments(op.node_of_rank, one, n), op.dtype,
                                  combine, 1);
       }
-      for (const auto& b : L) {
-        copy_bytes(b.recv, t + b.rank * one, one);
-        finish_avg(b.recv, one);
-      }
+      pass(one * L.size(), [&] {
+        for (const auto& b : L) copy_bytes(b.recv, t + b.rank * one, one);
+      });
+      for (const auto& b : L) finish_avg(b.recv, one);
       return;
     }
     case OpKind::broadcast: {
@@ -457,7 +482,9 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
         src = L[0].recv;
       }
       algo.broadcast(src, one, root_node, use_direct(one, options), 1);
-      for (const auto& b : L) copy_bytes(b.recv, src, one);
+      pass(one * L.size(), [&] {
+        for (const auto& b : L) copy_bytes(b.recv, src, one);
+      });
       return;
     }
     case OpKind::reduce: {

@@ -29,6 +29,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -70,6 +71,12 @@ class NodeChannel {
   /// operations, so that large temporaries do not fault in fresh pages each
   /// time. One buffer per channel: a second call invalidates the first.
   virtual std::byte* scratch(std::size_t bytes) = 0;
+  /// Runs `work` (a pass over large buffers: a local reduction, the copies to
+  /// the ranks' outputs) and returns when it is done, rethrowing what it
+  /// threw. The engine runs it on its worker pool, so that the thread that
+  /// serves the peers (heartbeats, other operations, clients) is not held up
+  /// for the milliseconds to seconds a large pass takes. Default: inline.
+  virtual void compute(const std::function<void()>& work) { work(); }
   /// The message `from` sent under `tag`. Blocks until it arrived; throws Error
   /// at the operation's deadline, when the communicator broke, or when the
   /// sender's operation does not match this node's (naming both).
