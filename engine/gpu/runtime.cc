@@ -1440,9 +1440,10 @@ class CudaExecutor final : public GpuExecutor {
   const bool one_shot_env_ = one_shot_bytes_ != 0;
   // Across nodes, operations of more than this many bytes per rank (count x
   // element size) are cut into chunks of it, so that the copies to and from
-  // host memory overlap the exchange between nodes (0: never cut). Every
-  // daemon of a cluster must use the same value.
-  const std::uint64_t stage_chunk_bytes_ = env_bytes("COLLECTIVED_GPU_STAGE_CHUNK_BYTES", std::uint64_t{4} << 20);
+  // host memory overlap the exchange between nodes. 0 (the default): never
+  // cut -- on 2 H200 over TCP each chunk operation cost ~1 ms more than the
+  // copies it hid (docs/gpu.md). Every daemon of a cluster must use the same value.
+  const std::uint64_t stage_chunk_bytes_ = env_bytes("COLLECTIVED_GPU_STAGE_CHUNK_BYTES", 0);
   std::shared_ptr<CudaDriver> cu_;  // mappings hold it too: they may outlive the executor
   std::unique_ptr<MpsControl> mps_;
   mutable std::mutex mu_;
