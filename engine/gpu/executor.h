@@ -166,8 +166,8 @@ class GpuExecutor {
   virtual std::vector<std::shared_ptr<RankSync>> make_chunked(std::uint64_t session,
                                                               const GpuSyncArgs& args,
                                                               ChunkedArgs chunked) = 0;
-  /// Bytes of one rank's count per chunk for operations across nodes (0, the
-  /// default: not cut). Every daemon of a cluster must use the same value
+  /// Bytes of one rank's count per chunk for operations across nodes (0: not
+  /// cut; default 4 MiB). Every daemon of a cluster must use the same value
   /// (COLLECTIVED_GPU_STAGE_CHUNK_BYTES).
   virtual std::uint64_t stage_chunk_bytes() const = 0;
 
