@@ -1441,9 +1441,9 @@ class CudaExecutor final : public GpuExecutor {
   // Across nodes, operations of more than this many bytes per rank (count x
   // element size) are cut into chunks of it, so that the copies to and from
   // host memory overlap the exchange between nodes (0: never cut). Measured
-  // on 2 H200 over TCP (docs/gpu.md): 4 MiB chunks 3-25 % faster than uncut
-  // from 4 to 256 MiB for the ring operations. Every daemon of a cluster must
-  // use the same value.
+  // on 2 H200 over TCP (docs/gpu.md, "Pipelined"): from faster in 13 of 16
+  // cases to a wash, depending on the algorithms between nodes. Every daemon
+  // of a cluster must use the same value.
   const std::uint64_t stage_chunk_bytes_ = env_bytes("COLLECTIVED_GPU_STAGE_CHUNK_BYTES", std::uint64_t{4} << 20);
   std::shared_ptr<CudaDriver> cu_;  // mappings hold it too: they may outlive the executor
   std::unique_ptr<MpsControl> mps_;
