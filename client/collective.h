@@ -325,7 +325,7 @@ COLLECTIVE_API collective_result_t collective_broadcast_stream(
 COLLECTIVE_API collective_result_t collective_reduce_stream(
     collective_comm_t* comm, const void* send, void* recv, size_t count, collective_dtype_t dtype,
     collective_redop_t redop, int root, void* stream, collective_request_t** request);
-/** send and recv must be different buffers (in-place is refused on GPUs). */
+/** In place (send == recv) is allowed: blocks are exchanged pairwise on the GPU. */
 COLLECTIVE_API collective_result_t collective_all_to_all_stream(
     collective_comm_t* comm, const void* send, void* recv, size_t count, collective_dtype_t dtype,
     void* stream, collective_request_t** request);

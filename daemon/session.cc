@@ -301,7 +301,10 @@ void ClientSession::handle_collective(std::uint64_t id, wire::Collective::Reader
   a.root = req.getRoot();
   a.send = {req.getSend().getHandle(), req.getSend().getOffset()};
   a.recv = {req.getRecv().getHandle(), req.getRecv().getOffset()};
-  if (req.hasGpu()) a.gpu = gpu_sync(req.getGpu());
+  if (req.hasGpu()) {
+    if (submit_gpu_chunked(id, req, from_worker)) return;
+    a.gpu = gpu_sync(req.getGpu());
+  }
   host_.engine().collective(client_ref(from_worker), id, req.getComm(), a);
 }
 

@@ -1,6 +1,10 @@
 // A client session's GPU requests: registration of GPU allocations, the flag
 // page its streams wait on, and the stream hand-off of GPU collectives.
+#include <algorithm>
+#include <mutex>
+
 #include "daemon/session.h"
+#include "engine/dtype.h"
 
 namespace collectived::daemon {
 
@@ -8,6 +12,52 @@ namespace {
 std::string data_text(capnp::Data::Reader d) {
   return std::string(reinterpret_cast<const char*>(d.begin()), d.size());
 }
+
+engine::gpu::GpuSyncArgs sync_args(wire::GpuSync::Reader req) {
+  engine::gpu::GpuSyncArgs a;
+  a.event_handle = data_text(req.getEventHandle());
+  a.event_id = req.getEventId();
+  a.flag_word = req.getFlagWord();
+  a.ticket = req.getTicket();
+  a.ready_word = req.getReadyWord();
+  a.send_buffer_id = req.getSendBufferId();
+  a.recv_buffer_id = req.getRecvBufferId();
+  return a;
+}
+
+/// One client request made of several engine operations (the chunks of a GPU
+/// collective across nodes): answered once, when every chunk is, with the
+/// first error if one failed (the outputs are then undefined).
+class ChunkAnswers final : public engine::CompletionSink {
+ public:
+  ChunkAnswers(std::shared_ptr<engine::CompletionSink> sink, std::size_t chunks)
+      : sink_(std::move(sink)), left_(chunks) {}
+  void complete(std::uint64_t request, engine::Result result) override {
+    engine::Result out;
+    {
+      std::lock_guard lock(mu_);
+      // The earliest chunk's error (later chunks often fail because of it),
+      // else the first chunk's answer.
+      const bool failed = result.code != Code::ok;
+      if (!seen_ || (failed && !failed_) || (failed == failed_ && result.seq < answer_.seq)) {
+        answer_ = std::move(result);
+        failed_ = failed;
+      }
+      seen_ = true;
+      if (--left_ != 0) return;
+      out = std::move(answer_);
+    }
+    sink_->complete(request, std::move(out));
+  }
+
+ private:
+  std::shared_ptr<engine::CompletionSink> sink_;
+  std::mutex mu_;
+  std::size_t left_;
+  bool failed_ = false;
+  bool seen_ = false;
+  engine::Result answer_;
+};
 }  // namespace
 
 void ClientSession::handle_register_gpu(std::uint64_t id, wire::RegisterGpu::Reader req,
@@ -60,15 +110,131 @@ void ClientSession::handle_attach_gpu(std::uint64_t id, wire::AttachGpu::Reader 
 }
 
 std::shared_ptr<engine::gpu::RankSync> ClientSession::gpu_sync(wire::GpuSync::Reader req) {
-  engine::gpu::GpuSyncArgs a;
-  a.event_handle = data_text(req.getEventHandle());
-  a.event_id = req.getEventId();
-  a.flag_word = req.getFlagWord();
-  a.ticket = req.getTicket();
-  a.ready_word = req.getReadyWord();
-  a.send_buffer_id = req.getSendBufferId();
-  a.recv_buffer_id = req.getRecvBufferId();
-  return host_.gpu().make_sync(id_, a);
+  return host_.gpu().make_sync(id_, sync_args(req));
+}
+
+bool ClientSession::submit_gpu_chunked(std::uint64_t id, wire::Collective::Reader req,
+                                       bool from_worker) {
+  using engine::OpKind;
+  auto& gpu = host_.gpu();
+  const std::uint64_t chunk_bytes = gpu.stage_chunk_bytes();
+  if (chunk_bytes == 0) return false;
+  OpKind kind;
+  switch (req.getKind()) {
+    case wire::OpKind::ALL_REDUCE: kind = OpKind::all_reduce; break;
+    case wire::OpKind::ALL_GATHER: kind = OpKind::all_gather; break;
+    case wire::OpKind::REDUCE_SCATTER: kind = OpKind::reduce_scatter; break;
+    case wire::OpKind::BROADCAST: kind = OpKind::broadcast; break;
+    case wire::OpKind::REDUCE: kind = OpKind::reduce; break;
+    case wire::OpKind::ALL_TO_ALL: kind = OpKind::all_to_all; break;
+    default: return false;
+  }
+  // Whatever is wrong with the request, the engine says it for the whole
+  // operation: anything unusual is not cut.
+  const auto dtype = engine::dtype_from_int(req.getDtype());
+  if (!dtype) return false;
+  const std::uint64_t es = engine::dtype_size(*dtype);
+  const std::uint64_t count = req.getCount();
+  if (count == 0 || count > (std::uint64_t{1} << 40) / es || count * es <= chunk_bytes) return false;
+  const auto shape = host_.engine().comm_shape(id_, req.getComm());
+  if (!shape || shape->nodes < 2) return false;
+  const std::uint64_t n = shape->nranks;
+  const auto rank = static_cast<std::int32_t>(shape->rank);
+  const std::int32_t root = req.getRoot();
+  const bool rooted = kind == OpKind::broadcast || kind == OpKind::reduce;
+  if (rooted && (root < 0 || static_cast<std::uint64_t>(root) >= n)) return false;
+  const std::uint64_t one = count * es;
+  std::uint64_t send_bytes = one, recv_bytes = one;
+  switch (kind) {
+    case OpKind::all_gather: recv_bytes = one * n; break;
+    case OpKind::reduce_scatter: send_bytes = one * n; break;
+    case OpKind::all_to_all: send_bytes = recv_bytes = one * n; break;
+    case OpKind::broadcast: if (rank != root) send_bytes = 0; break;
+    case OpKind::reduce: if (rank != root) recv_bytes = 0; break;
+    default: break;
+  }
+  const engine::BufferArg sa{req.getSend().getHandle(), req.getSend().getOffset()};
+  const engine::BufferArg ra{req.getRecv().getHandle(), req.getRecv().getOffset()};
+  engine::gpu::ChunkedArgs c;
+  try {
+    auto span = [&](const engine::BufferArg& b, std::uint64_t bytes) -> engine::Span {
+      if (bytes == 0) return {};
+      auto reg = host_.registry().find_range(id_, b.handle, b.offset, bytes);
+      if (!reg->device) throw Error(Code::invalid_argument, "host memory");
+      std::byte* p = reg->data() + b.offset;
+      return engine::Span{std::move(reg), p, bytes};
+    };
+    c.send = span(sa, send_bytes);
+    c.recv = span(ra, recv_bytes);
+  } catch (const Error&) {
+    return false;
+  }
+  // The layouts in place (the engine checks them per chunk, on chunk-sized
+  // spans placed so that its in-place rule holds for the chunk).
+  const bool same = c.send.reg && c.recv.reg && c.send.reg == c.recv.reg;
+  const bool ag_in_place = same && kind == OpKind::all_gather && c.send.ptr == c.recv.ptr + rank * one;
+  const bool rs_in_place = same && kind == OpKind::reduce_scatter && c.recv.ptr == c.send.ptr + rank * one;
+  if (same) {
+    const bool overlap = c.send.ptr < c.recv.ptr + c.recv.bytes && c.recv.ptr < c.send.ptr + c.send.bytes;
+    if (overlap && !ag_in_place && !rs_in_place && c.send.ptr != c.recv.ptr) return false;
+    if (overlap && c.send.ptr == c.recv.ptr &&
+        (kind == OpKind::all_gather || kind == OpKind::reduce_scatter) && rank != 0) {
+      return false;
+    }
+  }
+  // Chunks of whole 64-element units (aligned copies), the same on every node.
+  const std::uint64_t per = std::max<std::uint64_t>(64, chunk_bytes / es / 64 * 64);
+  for (std::uint64_t at = 0; at < count; at += per) c.first.push_back(at);
+  c.first.push_back(count);
+  const std::size_t chunks = c.first.size() - 1;
+  if (chunks < 2) return false;
+  const std::vector<std::uint64_t> first = c.first;
+  c.kind = kind;
+  c.dtype = *dtype;
+  c.count = count;
+  c.nranks = static_cast<int>(n);
+  c.rank = rank;
+  c.root = root;
+  auto syncs = gpu.make_chunked(id_, sync_args(req.getGpu()), std::move(c));
+
+  host_.logger().debug("gpu_chunked", {{"session", id_},
+                                       {"comm", req.getComm()},
+                                       {"count", count},
+                                       {"chunks", chunks}});
+  auto answers = std::make_shared<ChunkAnswers>(sink_, chunks);
+  engine::ClientRef ref = client_ref(from_worker);
+  ref.sink = answers;
+  for (std::size_t i = 0; i < chunks; ++i) {
+    const std::uint64_t at = first[i], ci = first[i + 1] - first[i];
+    engine::CollectiveArgs a;
+    a.kind = kind;
+    a.dtype = req.getDtype();
+    a.redop = req.getRedop();
+    a.count = ci;
+    a.root = root;
+    // What the engine validates: chunk-sized spans inside the whole buffers
+    // (the executor copies the chunk's elements in the whole layout).
+    a.send = sa;
+    a.recv = ra;
+    switch (kind) {
+      case OpKind::all_gather:
+        a.send.offset += at * es;
+        if (ag_in_place) a.recv.offset += (rank * (count - ci) + at) * es;
+        break;
+      case OpKind::reduce_scatter:
+        a.recv.offset += at * es;
+        if (rs_in_place) a.send.offset += (rank * (count - ci) + at) * es;
+        break;
+      case OpKind::all_to_all: break;
+      default:
+        a.send.offset += at * es;
+        a.recv.offset += at * es;
+        break;
+    }
+    a.gpu = syncs[i];
+    host_.engine().collective(ref, id, req.getComm(), a);
+  }
+  return true;
 }
 
 }  // namespace collectived::daemon

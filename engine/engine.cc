@@ -228,6 +228,13 @@ void Engine::p2p_group(const ClientRef& client, std::uint64_t request, std::uint
         }
         item.span = I.resolve_span(client, a.buffer, a.count * dtype_size(item.dtype),
                                    a.is_send ? "send" : "recv");
+        if (item.span.reg && item.span.reg->device) {
+          // The daemon's CPU copies send/recv data: GPU memory there would be
+          // a device address it cannot touch.
+          throw Error(Code::invalid_argument,
+                      "item " + std::to_string(i) + ": " + (a.is_send ? "send" : "recv") +
+                          " buffer is GPU memory: send/recv on GPU buffers is not supported yet");
+        }
         g->items.push_back(std::move(item));
       }
     } catch (const Error& e) {
@@ -415,6 +422,19 @@ void Engine::shutdown(const std::string& reason) {
     I.node_shutdown(reason, out);
     for (auto& cp : I.all_comms()) I.break_comm(*cp, Code::aborted, reason, out);
   });
+}
+
+std::optional<CommShape> Engine::comm_shape(std::uint64_t session, std::uint64_t handle) const {
+  std::lock_guard lock(impl_->mu);
+  auto it = impl_->handles.find(handle);
+  if (it == impl_->handles.end()) return std::nullopt;
+  const auto& [comm, rank] = it->second;
+  if (comm->members[rank].session != session) return std::nullopt;
+  CommShape s;
+  s.rank = static_cast<std::uint32_t>(rank);
+  s.nranks = static_cast<std::uint32_t>(comm->nranks);
+  s.nodes = static_cast<std::uint32_t>(std::max<std::size_t>(1, comm->node_address.size()));
+  return s;
 }
 
 EngineStats Engine::stats() const {

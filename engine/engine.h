@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -74,6 +75,14 @@ struct OpSnapshot {
   std::vector<std::uint32_t> missing; ///< this node's ranks that have not submitted it (group: unmatched peers)
 };
 
+/// What a client session needs to know of one of its communicators to shape
+/// a request (GPU operations across nodes are cut into chunks).
+struct CommShape {
+  std::uint32_t rank = 0;
+  std::uint32_t nranks = 0;
+  std::uint32_t nodes = 1;  ///< nodes its ranks live on
+};
+
 struct CommSnapshot {
   std::string name;
   std::uint32_t nranks = 0;
@@ -118,6 +127,8 @@ class Engine {
   void shutdown(const std::string& reason);
 
   EngineStats stats() const;
+  /// The communicator `comm` of client `session`; nullopt if it has no such handle.
+  std::optional<CommShape> comm_shape(std::uint64_t session, std::uint64_t comm) const;
   /// Every communicator with its ranks and in-flight operations (status).
   std::vector<CommSnapshot> snapshot() const;
 

@@ -95,6 +95,20 @@ class GpuStage {
   Registration host{};
 };
 
+/// One rank's GPU collective on a communicator spanning nodes, cut into
+/// chunks that the engine runs as consecutive operations (see make_chunked).
+struct ChunkedArgs {
+  OpKind kind = OpKind::barrier;
+  DType dtype = DType::uint8;
+  std::uint64_t count = 0;  ///< the whole operation's count
+  int nranks = 0;
+  int rank = 0;
+  int root = 0;
+  Span send, recv;  ///< the whole operation's GPU buffers (empty where the rank has none)
+  std::vector<std::uint64_t> first;  ///< element offset of each chunk; chunk i has
+                                     ///< first[i+1] - first[i] elements (first.back() == count)
+};
+
 struct GpuStatus {
   bool available = false;
   std::string reason;                ///< why not, or the driver version
@@ -140,6 +154,23 @@ class GpuExecutor {
   /// Called under the engine's lock: never blocks on the GPU.
   virtual std::shared_ptr<GpuStage> stage_in(GpuCollective op,
                                              std::function<void(Code, std::string)> ready) = 0;
+  /// Across nodes, pipelined: one stream hand-off per chunk of `chunked` (the
+  /// engine runs each as an ordinary staged operation of the chunk's count).
+  /// The first chunk's stage_in copies every chunk's input to pinned host
+  /// staging at once (one event per chunk, so chunk i's exchange between
+  /// nodes starts as soon as its own copy is done and overlaps the copies of
+  /// the later chunks); each chunk's stage_out copies its part of the output
+  /// back, in the whole operation's layout (strided for all-gather,
+  /// reduce-scatter and all-to-all); only the last chunk releases the
+  /// client's stream.
+  virtual std::vector<std::shared_ptr<RankSync>> make_chunked(std::uint64_t session,
+                                                              const GpuSyncArgs& args,
+                                                              ChunkedArgs chunked) = 0;
+  /// Bytes of one rank's count per chunk for operations across nodes (0: not
+  /// cut; default 4 MiB). Every daemon of a cluster must use the same value
+  /// (COLLECTIVED_GPU_STAGE_CHUNK_BYTES).
+  virtual std::uint64_t stage_chunk_bytes() const = 0;
+
   /// Across nodes, step 2: the host collective filled stage->recv; enqueues
   /// the copies back to the GPU buffers and the release of every local rank's
   /// stream; `done` runs once when the GPU finished (or at the deadline).

@@ -130,6 +130,24 @@ __global__ void __launch_bounds__(kThreads) copy_kernel1(CopyLaunch a) {
   }
 }
 
+template <typename W>
+__global__ void __launch_bounds__(kThreads) exchange_kernel(ExchangeLaunch a) {
+  const int k = blockIdx.y;
+  const std::uint64_t n = a.bytes / sizeof(W);
+  const W* sa = static_cast<const W*>(a.src_a[k]);
+  const W* sb = static_cast<const W*>(a.src_b[k]);
+  W* da = static_cast<W*>(a.dst_a[k]);
+  W* db = static_cast<W*>(a.dst_b[k]);
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
+  for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < n; i += stride) {
+    const W x = sa[i];
+    const W y = sb[i];
+    da[i] = x;
+    db[i] = y;
+  }
+}
+
 unsigned blocks_for(std::uint64_t items, int max_blocks) {
   std::uint64_t b = (items + kThreads - 1) / kThreads;
   if (b < 1) b = 1;
@@ -196,6 +214,24 @@ cudaError_t launch_copy(const CopyLaunch& a, int max_blocks, cudaStream_t stream
   } else {
     dim3 grid(blocks_for(a.bytes, per_pair), a.n);
     copy_kernel1<<<grid, kThreads, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_exchange(const ExchangeLaunch& a, int max_blocks, cudaStream_t stream) {
+  if (a.bytes == 0 || a.n == 0) return cudaSuccess;
+  bool vec = a.bytes % 16 == 0;
+  for (int k = 0; k < a.n && vec; ++k) {
+    vec = aligned16(a.src_a[k]) && aligned16(a.dst_a[k]) && aligned16(a.src_b[k]) &&
+          aligned16(a.dst_b[k]);
+  }
+  const int per_pair = max_blocks / a.n > 0 ? max_blocks / a.n : 1;
+  if (vec) {
+    dim3 grid(blocks_for(a.bytes / 16, per_pair), a.n);
+    exchange_kernel<uint4><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    dim3 grid(blocks_for(a.bytes, per_pair), a.n);
+    exchange_kernel<unsigned char><<<grid, kThreads, 0, stream>>>(a);
   }
   return cudaGetLastError();
 }

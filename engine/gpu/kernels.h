@@ -48,4 +48,20 @@ struct CopyLaunch {
 /// Copies `bytes` from src[k] to dst[k] for every k (pairs must not overlap).
 cudaError_t launch_copy(const CopyLaunch& args, int max_blocks, cudaStream_t stream);
 
+/// Two copies done together, element by element: for every k and byte i,
+/// a = src_a[k][i] and b = src_b[k][i] are read before dst_a[k][i] = a and
+/// dst_b[k][i] = b are written. In-place all-to-all: the block rank i sends to
+/// rank j and the one j sends to i swap places even where a destination is
+/// the other copy's source.
+struct ExchangeLaunch {
+  static constexpr int kMax = kMaxKernelPointers / 2;
+  const void* src_a[kMax];
+  void* dst_a[kMax];
+  const void* src_b[kMax];
+  void* dst_b[kMax];
+  int n = 0;
+  std::uint64_t bytes = 0;  ///< bytes of every copy
+};
+cudaError_t launch_exchange(const ExchangeLaunch& args, int max_blocks, cudaStream_t stream);
+
 }  // namespace collectived::engine::gpu::kernels

@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <condition_variable>
 #include <cstring>
+#include <array>
 #include <list>
 #include <map>
 #include <mutex>
@@ -245,6 +246,61 @@ struct OpenedEvent {
   }
 };
 
+/// One rank's pipelined staged operation (GpuExecutor::make_chunked): the
+/// whole input and output in pinned host memory, laid out chunk after chunk
+/// (chunk i holds what a collective of its count has: for all-gather's
+/// output, reduce-scatter's and all-to-all's input and output, nranks blocks
+/// of the chunk's count), and one event per chunk marking its input copied.
+struct ChunkPipe {
+  ChunkedArgs a;
+  std::shared_ptr<PinnedPool> pool;
+  std::shared_ptr<Graveyard> graveyard;
+  int dev = 0;
+  std::uint64_t es = 1;
+  std::uint64_t smul = 1, rmul = 1;  // blocks per chunk in the input / output (1 or nranks)
+  std::byte* host_send = nullptr;
+  std::byte* host_recv = nullptr;
+  std::uint64_t send_got = 0, recv_got = 0;
+  std::vector<cudaEvent_t> copied;  // chunk i's input is in host memory
+  bool started = false;
+
+  std::uint64_t first(std::uint32_t i) const { return a.first[i]; }
+  std::uint64_t count(std::uint32_t i) const { return a.first[i + 1] - a.first[i]; }
+  Span send_chunk(std::uint32_t i) const {
+    if (host_send == nullptr) return {};
+    return Span{nullptr, host_send + first(i) * es * smul, count(i) * es * smul};
+  }
+  Span recv_chunk(std::uint32_t i) const {
+    if (host_recv == nullptr) return {};
+    return Span{nullptr, host_recv + first(i) * es * rmul, count(i) * es * rmul};
+  }
+  /// Pinned staging of the whole operation (outside the executor's lock).
+  void allocate() {
+    if (host_send == nullptr && a.send.bytes != 0) host_send = pool->take(a.send.bytes, send_got);
+    if (host_recv == nullptr && a.recv.bytes != 0) host_recv = pool->take(a.recv.bytes, recv_got);
+  }
+  /// The GPU may still be copying into the staging (a chunk failed early):
+  /// the reaper waits for the last copy before the staging is reused.
+  struct Leftovers {
+    std::shared_ptr<PinnedPool> pool;
+    std::vector<std::pair<std::byte*, std::uint64_t>> blocks;
+    std::vector<cudaEvent_t> events;
+    ~Leftovers() {
+      if (!events.empty()) cudaEventSynchronize(events.back());
+      for (auto e : events) cudaEventDestroy(e);
+      for (auto& [p, bytes] : blocks) pool->give(p, bytes);
+    }
+  };
+  ~ChunkPipe() {
+    auto l = std::make_shared<Leftovers>();
+    l->pool = pool;
+    if (host_send != nullptr) l->blocks.emplace_back(host_send, send_got);
+    if (host_recv != nullptr) l->blocks.emplace_back(host_recv, recv_got);
+    l->events = std::move(copied);
+    if (graveyard) graveyard->bury(std::move(l));
+  }
+};
+
 class Sync final : public RankSync {
  public:
   std::shared_ptr<FlagPage> flags;
@@ -254,6 +310,11 @@ class Sync final : public RankSync {
   std::uint32_t ready_word = 0;  // when there is no event: the client's stream writes it
   std::uint64_t session = 0;
   bool released = false;  // the flag write is enqueued on a daemon stream
+  // A chunk of a pipelined staged operation (make_chunked): every chunk but
+  // the last leaves the client's done word alone.
+  std::shared_ptr<ChunkPipe> pipe;
+  std::uint32_t chunk = 0;
+  bool holds_done = true;
 
   /// Moves a word forward to the ticket (never back; wrap-aware).
   void advance(std::uint32_t i) const {
@@ -274,7 +335,9 @@ class Sync final : public RankSync {
     if (!event) advance(ready_word);
   }
   /// Lets the client's stream go on from the CPU (failed or timed out).
-  void release_done() const { advance(word); }
+  void release_done() const {
+    if (holds_done) advance(word);
+  }
 
   ~Sync() override {
     // Never ran on the GPU (failed, refused, aborted): release the client's
@@ -489,6 +552,37 @@ class CudaExecutor final : public GpuExecutor {
     return sync;
   }
 
+  std::vector<std::shared_ptr<RankSync>> make_chunked(std::uint64_t session, const GpuSyncArgs& args,
+                                                      ChunkedArgs chunked) override {
+    require();
+    if (chunked.first.size() < 2 || chunked.first.front() != 0 || chunked.first.back() != chunked.count) {
+      throw Error(Code::internal, "bad chunks of a staged GPU operation");
+    }
+    auto pipe = std::make_shared<ChunkPipe>();
+    pipe->pool = pinned_;
+    pipe->graveyard = graveyard_;
+    pipe->es = dtype_size(chunked.dtype);
+    const auto n = static_cast<std::uint64_t>(chunked.nranks);
+    pipe->smul = chunked.kind == OpKind::reduce_scatter || chunked.kind == OpKind::all_to_all ? n : 1;
+    pipe->rmul = chunked.kind == OpKind::all_gather || chunked.kind == OpKind::all_to_all ? n : 1;
+    const Span& any = chunked.recv.reg ? chunked.recv : chunked.send;
+    pipe->dev = any.reg && any.reg->device ? any.reg->device->device() : devices_.front().ordinal;
+    pipe->a = std::move(chunked);
+    const auto k = static_cast<std::uint32_t>(pipe->a.first.size() - 1);
+    std::vector<std::shared_ptr<RankSync>> out;
+    for (std::uint32_t i = 0; i < k; ++i) {
+      auto rs = make_sync(session, args);
+      auto* s = static_cast<Sync*>(rs.get());
+      s->pipe = pipe;
+      s->chunk = i;
+      s->holds_done = i + 1 == k;
+      out.push_back(std::move(rs));
+    }
+    return out;
+  }
+
+  std::uint64_t stage_chunk_bytes() const override { return stage_chunk_bytes_; }
+
   void client_gone(std::uint64_t session) override {
     std::lock_guard lock(mu_);
     if (auto it = sessions_.find(session); it != sessions_.end()) {
@@ -518,15 +612,6 @@ class CudaExecutor final : public GpuExecutor {
   void run(GpuCollective op, std::function<void(Code, std::string)> done) override {
     require();
     const int n = static_cast<int>(op.sync.size());
-    if (op.kind == OpKind::all_to_all) {
-      for (int r = 0; r < n; ++r) {
-        if (op.send[r].ptr != nullptr && op.send[r].ptr == op.recv[r].ptr) {
-          throw Error(Code::invalid_argument,
-                      "in-place all_to_all on GPU buffers is not supported (rank " +
-                          std::to_string(r) + "): use separate send and recv buffers");
-        }
-      }
-    }
     std::vector<int> rank_dev(n, -1);
     for (int r = 0; r < n; ++r) {
       if (op.recv[r].reg) rank_dev[r] = op.recv[r].reg->device->device();
@@ -670,6 +755,13 @@ class CudaExecutor final : public GpuExecutor {
     // takes milliseconds, and may wait for the GPU).
     for (int r = 0; r < n; ++r) {
       if (!op.sync[r]) continue;
+      if (auto* s = static_cast<Sync*>(op.sync[r].get()); s->pipe) {
+        // A chunk of a pipelined operation: its part of the rank's staging.
+        s->pipe->allocate();
+        st->send[r] = s->pipe->send_chunk(s->chunk);
+        st->recv[r] = s->pipe->recv_chunk(s->chunk);
+        continue;
+      }
       st->send[r] = st->take(op.send[r].bytes);
       st->recv[r] = st->take(op.recv[r].bytes);
     }
@@ -685,6 +777,13 @@ class CudaExecutor final : public GpuExecutor {
       if (s == nullptr) continue;  // a rank on another node
       const Span& gs = op.send[r];
       const Span& gr = op.recv[r];
+      if (s->pipe) {
+        start_pipe(*s->pipe, *s, st->slot, op.who[r]);
+        p.tails.emplace_back(s->pipe->dev, s->pipe->copied[s->chunk]);
+        p.spans.push_back(gs);
+        p.spans.push_back(gr);
+        continue;
+      }
       const int dev = gr.reg ? gr.reg->device->device() : gs.reg ? gs.reg->device->device() : front;
       cudaSetDevice(dev);
       cudaStream_t stream = devices_[dev].streams[st->slot];
@@ -739,6 +838,36 @@ class CudaExecutor final : public GpuExecutor {
       if (s == nullptr) continue;
       const Span& gs = op.send[r];
       const Span& gr = op.recv[r];
+      if (s->pipe) {
+        const ChunkPipe& pp = *s->pipe;
+        cudaSetDevice(pp.dev);
+        cudaStream_t stream = devices_[pp.dev].out_streams[st->slot];
+        const Span& whole = pp.a.recv;
+        if (whole.bytes != 0) {
+          // This chunk's part of the output, in the whole operation's layout.
+          const std::uint64_t es = pp.es, c = pp.count(s->chunk), at = pp.first(s->chunk);
+          std::byte* dst = whole.reg->device->data_on(pp.dev) + (whole.ptr - whole.reg->device->data()) + at * es;
+          const std::byte* src = pp.host_recv + at * es * pp.rmul;
+          for (std::uint64_t b = 0; b < pp.rmul; ++b) {  // one block per rank where there are several
+            check_rt(cudaMemcpyAsync(dst + b * pp.a.count * es, src + b * c * es, c * es,
+                                     cudaMemcpyHostToDevice, stream),
+                     "copy of " + op.who[r] + "'s output (chunk " + std::to_string(s->chunk) +
+                         ") from host staging");
+          }
+        }
+        if (s->holds_done) {
+          const cu::DevicePtr word = s->flags->device + 4 * static_cast<cu::DevicePtr>(s->word);
+          cu_->check(cu_->cuStreamWriteValue32(reinterpret_cast<cu::Stream>(stream), word, s->ticket,
+                                               cu::kStreamWriteValueDefault),
+                     "cuStreamWriteValue32 (release " + op.who[r] + "'s stream)");
+        }
+        s->released = true;
+        cudaEvent_t tail = take_event_locked(pp.dev);
+        p.events.emplace_back(pp.dev, tail);
+        check_rt(cudaEventRecord(tail, stream), "cudaEventRecord");
+        p.tails.emplace_back(pp.dev, tail);
+        continue;
+      }
       const int dev = gr.reg ? gr.reg->device->device() : gs.reg ? gs.reg->device->device()
                                                            : devices_.front().ordinal;
       cudaSetDevice(dev);
@@ -766,6 +895,50 @@ class CudaExecutor final : public GpuExecutor {
   }
 
  private:
+  /// The first chunk of a pipelined staged operation to reach stage_in
+  /// (under mu_): waits for the rank's input, then copies every chunk's input
+  /// to the host, recording one event per chunk.
+  void start_pipe(ChunkPipe& pp, const Sync& s, std::size_t slot, const std::string& who) {
+    if (pp.started) return;
+    const int front = devices_.front().ordinal;
+    cudaSetDevice(pp.dev);
+    cudaStream_t stream = devices_[pp.dev].streams[slot];
+    if (s.event) {
+      if (pp.dev != front) {
+        throw Error(Code::invalid_argument,
+                    "GPU operation across nodes with an IPC event hand-off on GPU " +
+                        std::to_string(pp.dev) + ": the client library uses ready words; update it");
+      }
+      check_rt(cudaStreamWaitEvent(stream, s.event->event, 0), "cudaStreamWaitEvent");
+    } else {
+      cu_->check(cu_->cuStreamWaitValue32(reinterpret_cast<cu::Stream>(stream),
+                                          s.flags->device + 4 * static_cast<cu::DevicePtr>(s.ready_word),
+                                          s.ticket, cu::kStreamWaitValueGeq),
+                 "cuStreamWaitValue32 on " + who + "'s ready word");
+    }
+    const Span& whole = pp.a.send;
+    const std::byte* base =
+        whole.bytes != 0 ? whole.reg->device->data_on(pp.dev) + (whole.ptr - whole.reg->device->data()) : nullptr;
+    const auto k = static_cast<std::uint32_t>(pp.a.first.size() - 1);
+    for (std::uint32_t i = 0; i < k; ++i) {
+      if (base != nullptr) {
+        const std::uint64_t es = pp.es, c = pp.count(i), at = pp.first(i);
+        std::byte* dst = pp.host_send + at * es * pp.smul;
+        const std::byte* src = base + at * es;
+        for (std::uint64_t b = 0; b < pp.smul; ++b) {  // one block per rank where there are several
+          check_rt(cudaMemcpyAsync(dst + b * c * es, src + b * pp.a.count * es, c * es,
+                                   cudaMemcpyDeviceToHost, stream),
+                   "copy of " + who + "'s input (chunk " + std::to_string(i) + ") to host staging");
+        }
+      }
+      cudaEvent_t e = nullptr;
+      check_rt(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+      pp.copied.push_back(e);
+      check_rt(cudaEventRecord(e, stream), "cudaEventRecord");
+    }
+    pp.started = true;
+  }
+
   /// A pooled event of GPU `dev` (under mu_); leaves `dev` current.
   cudaEvent_t take_event_locked(int dev) {
     cudaSetDevice(dev);  // events belong to the GPU current at creation
@@ -1042,14 +1215,44 @@ class CudaExecutor final : public GpuExecutor {
           if (recv[r] != send[op.root]) pairs.emplace_back(send[op.root], recv[r]);
         }
         break;
-      case OpKind::all_to_all:
-        for (int r = 0; r < n; ++r) {
-          if (!mine(r)) continue;
-          for (int j = 0; j < n; ++j) {
-            pairs.emplace_back(send[j] + r * one, recv[r] + j * one);
+      case OpKind::all_to_all: {
+        bool in_place = false;
+        for (int r = 0; r < n; ++r) in_place = in_place || (send[r] != nullptr && send[r] == recv[r]);
+        if (!in_place) {
+          for (int r = 0; r < n; ++r) {
+            if (!mine(r)) continue;
+            for (int j = 0; j < n; ++j) {
+              pairs.emplace_back(send[j] + r * one, recv[r] + j * one);
+            }
+          }
+          break;
+        }
+        // In place (on some ranks at least): the block a sends to b and the
+        // block b sends to a are moved together (each element of both read
+        // before either is written), by rank a's GPU for a <= b: a block's
+        // destination is the other block's source where a rank is in place.
+        std::vector<std::array<std::byte*, 4>> swaps;  // src_a, dst_a, src_b, dst_b
+        for (int a = 0; a < n; ++a) {
+          if (!mine(a)) continue;
+          for (int b = a; b < n; ++b) {
+            swaps.push_back({send[a] + b * one, recv[b] + a * one, send[b] + a * one, recv[a] + b * one});
           }
         }
+        constexpr int kMax = kernels::ExchangeLaunch::kMax;
+        for (std::size_t k = 0; k < swaps.size(); k += kMax) {
+          kernels::ExchangeLaunch x{};
+          x.n = static_cast<int>(std::min<std::size_t>(kMax, swaps.size() - k));
+          for (int y = 0; y < x.n; ++y) {
+            x.src_a[y] = swaps[k + y][0];
+            x.dst_a[y] = swaps[k + y][1];
+            x.src_b[y] = swaps[k + y][2];
+            x.dst_b[y] = swaps[k + y][3];
+          }
+          x.bytes = one;
+          check_rt(kernels::launch_exchange(x, blocks, stream), "exchange kernel (in-place all_to_all)");
+        }
         break;
+      }
       default:
         throw Error(Code::invalid_argument,
                     std::string(to_string(op.kind)) + " does not run on GPU buffers");
@@ -1235,6 +1438,13 @@ class CudaExecutor final : public GpuExecutor {
   // above, every GPU computes its share. COLLECTIVED_GPU_ONE_SHOT_BYTES overrides.
   const std::uint64_t one_shot_bytes_ = env_bytes("COLLECTIVED_GPU_ONE_SHOT_BYTES", 0);
   const bool one_shot_env_ = one_shot_bytes_ != 0;
+  // Across nodes, operations of more than this many bytes per rank (count x
+  // element size) are cut into chunks of it, so that the copies to and from
+  // host memory overlap the exchange between nodes (0: never cut). Measured
+  // on 2 H200 over TCP (docs/gpu.md, "Pipelined"): from faster in 13 of 16
+  // cases to a wash, depending on the algorithms between nodes. Every daemon
+  // of a cluster must use the same value.
+  const std::uint64_t stage_chunk_bytes_ = env_bytes("COLLECTIVED_GPU_STAGE_CHUNK_BYTES", std::uint64_t{4} << 20);
   std::shared_ptr<CudaDriver> cu_;  // mappings hold it too: they may outlive the executor
   std::unique_ptr<MpsControl> mps_;
   mutable std::mutex mu_;

@@ -21,6 +21,11 @@ class NoGpu final : public GpuExecutor {
     fail();
   }
   void stage_out(std::shared_ptr<GpuStage>, std::function<void(Code, std::string)>) override { fail(); }
+  std::vector<std::shared_ptr<RankSync>> make_chunked(std::uint64_t, const GpuSyncArgs&,
+                                                      ChunkedArgs) override {
+    fail();
+  }
+  std::uint64_t stage_chunk_bytes() const override { return 0; }
 
  private:
   [[noreturn]] static void fail() { throw Error(Code::unavailable, kWhy); }

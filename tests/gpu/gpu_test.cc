@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <random>
 #include <string>
 #include <thread>
@@ -333,9 +334,37 @@ int matrix_body(GpuRank& g) {
     for (Kind k : {Kind::all_gather, Kind::broadcast, Kind::all_to_all}) {
       for (auto dt : {engine::DType::int8, engine::DType::bfloat16, engine::DType::float64}) {
         for (bool ip : {false, true}) {
-          if (k == Kind::all_to_all && ip) continue;
           for (int root = 0; root < (k == Kind::broadcast ? g.nranks : 1); ++root) {
             wrong += run_case(g, k, dt, engine::RedOp::sum, count, root, ip, salt++, first);
+          }
+        }
+      }
+    }
+  }
+  if (wrong != 0) std::fprintf(stderr, "rank %d: %ld wrong bytes; %s\n", g.rank, wrong, first.c_str());
+  return wrong == 0 ? 0 : 1;
+}
+
+/// Across nodes with a small stage chunk: every operation and layout cut
+/// into many chunks (odd counts: a short last chunk), checked against the
+/// whole operation's reference.
+int chunked_body(GpuRank& g) {
+  long wrong = 0;
+  std::string first;
+  std::uint64_t salt = 5000;
+  for (std::size_t count : {std::size_t{1001}, std::size_t{70001}}) {
+    for (Kind k : {Kind::all_reduce, Kind::reduce_scatter, Kind::reduce, Kind::all_gather, Kind::broadcast,
+                   Kind::all_to_all}) {
+      const bool reducing = k == Kind::all_reduce || k == Kind::reduce_scatter || k == Kind::reduce;
+      for (auto dt : {engine::DType::int8, engine::DType::bfloat16, engine::DType::float32, engine::DType::float64}) {
+        for (auto op : reducing ? std::vector<engine::RedOp>{engine::RedOp::sum, engine::RedOp::max}
+                                : std::vector<engine::RedOp>{engine::RedOp::sum}) {
+          for (bool ip : {false, true}) {
+            if (k == Kind::reduce && ip) continue;
+            const bool rooted = k == Kind::broadcast || k == Kind::reduce;
+            for (int root = 0; root < (rooted ? g.nranks : 1); ++root) {
+              wrong += run_case(g, k, dt, op, count, root, ip, salt++, first);
+            }
           }
         }
       }
@@ -355,7 +384,8 @@ void matrix(int gpus) {
 struct GpuCluster {
   TempDir dir;
   std::vector<Node> nodes;
-  explicit GpuCluster(int n, std::vector<std::string> extra = {}) {
+  explicit GpuCluster(int n, std::vector<std::string> extra = {},
+                      std::map<std::string, std::string> env = {}) {
     const std::string secret = write_secret(dir, "secret", "gpu test cluster secret\n");
     for (int i = 0; i < n; ++i) {
       Node node;
@@ -363,6 +393,7 @@ struct GpuCluster {
       node.ip = "127.0.0." + std::to_string(i + 2);
       node.secret_file = secret;
       node.extra = extra;
+      node.env = env;
       if (g_gpus >= n) node.env["CUDA_VISIBLE_DEVICES"] = std::to_string(i);
       nodes.push_back(std::move(node));
     }
@@ -640,10 +671,21 @@ TEST_CASE("gpu: across nodes: two daemons joined by TCP, GPU buffers staged thro
   if (!ok) cl.dump_logs();
 }
 
-TEST_CASE("gpu: across nodes: a rank whose input never becomes ready fails by its deadline, named") {
-  GpuCluster cl(2, {"deadlines.operation_ms=4000"});
-  const bool ok = with_ranks_on(cl.sockets(), std::min(g_gpus, 2), [](GpuRank& g) {
-    const std::size_t count = 1024;
+TEST_CASE("gpu: across nodes, pipelined: operations cut in chunks equal the whole operation, every layout") {
+  // 4 KiB chunks: a 70001-element float64 operation is 137 chunk operations.
+  GpuCluster cl(2, {"log.level=debug"}, {{"COLLECTIVED_GPU_STAGE_CHUNK_BYTES", "4096"}});
+  const bool ok = with_ranks_on(cl.sockets(), std::min(g_gpus, 2), chunked_body, 600s);
+  if (!ok) cl.dump_logs();
+  for (const auto& node : cl.nodes) {
+    CHECK(node.daemon->log().find("gpu_chunked") != std::string::npos);  // they were cut
+  }
+}
+
+/// Two daemons; rank 0's input is held back past the deadline: both ranks'
+/// requests fail (rank 0's naming it) and both streams are released.
+static void late_input_across_nodes(std::size_t count, std::map<std::string, std::string> env) {
+  GpuCluster cl(2, {"deadlines.operation_ms=4000"}, std::move(env));
+  const bool ok = with_ranks_on(cl.sockets(), std::min(g_gpus, 2), [count](GpuRank& g) {
     cu::DevicePtr buf = g.alloc(count * 4);
     void* page = nullptr;
     if (posix_memalign(&page, 4096, 4096) != 0) return 3;
@@ -672,6 +714,14 @@ TEST_CASE("gpu: across nodes: a rank whose input never becomes ready fails by it
     return sr == cu::kSuccess ? 0 : 42;
   }, 60s);
   if (!ok) cl.dump_logs();
+}
+
+TEST_CASE("gpu: across nodes: a rank whose input never becomes ready fails by its deadline, named") {
+  late_input_across_nodes(1024, {});
+}
+
+TEST_CASE("gpu: across nodes, pipelined: a late input fails every chunk by the deadline, named") {
+  late_input_across_nodes(16384, {{"COLLECTIVED_GPU_STAGE_CHUNK_BYTES", "4096"}});  // 16 chunks
 }
 
 int main(int argc, char** argv) {
