@@ -1444,7 +1444,7 @@ class CudaExecutor final : public GpuExecutor {
   // on 2 H200 over TCP (docs/gpu.md, "Pipelined"): from faster in 13 of 16
   // cases to a wash, depending on the algorithms between nodes. Every daemon
   // of a cluster must use the same value.
-  const std::uint64_t stage_chunk_bytes_ = env_bytes("COLLECTIVED_GPU_STAGE_CHUNK_BYTES", std::uint64_t{4} << 20);
+  const std::uint64_t stage_chunk_bytes_ = env_bytes("COLLECTIVED_GPU_STAGE_CHUNK_BYTES", 0);
   std::shared_ptr<CudaDriver> cu_;  // mappings hold it too: they may outlive the executor
   std::unique_ptr<MpsControl> mps_;
   mutable std::mutex mu_;
