@@ -180,7 +180,10 @@ TEST_CASE("a QP error fails the affected operations naming the node; the pair is
         // Each side names the other node.
         const char* other = me == 0 ? "n1" : "n0";
         if (!contains(msg, other)) c.report(std::string("error does not name ") + other + ": " + msg);
-        if (Clock::now() - t0 > 30s) c.report("the failure came late");
+        const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
+        std::fprintf(stderr, "rank %d: operation %d failed after %lld ms: %s\n", me, i,
+                     static_cast<long long>(took.count()), msg);
+        if (took > 30s) c.report("the failure came late");
         ++failed;
       }
     }
