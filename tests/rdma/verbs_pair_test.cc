@@ -492,6 +492,81 @@ TEST_CASE("the engine's NodeTransport over verbs: ordered whole messages both wa
   CHECK(!n0.connected("10.99.0.2:7000"));
 }
 
+TEST_CASE("a pair the peer rebuilt reports the node down once, before the new pair delivers") {
+  // The QP-error hang of issue 7: n1's side of the pair broke and n1 built a
+  // new pair before n0 had noticed; n0's old pair was replaced without
+  // reporting n1 down, so an operation waiting there for a message lost on it
+  // waited for its deadline. Here n1 breaks its side and both install a new
+  // pair at once (long before a probe could notice).
+  const verbs::Options o = options_from(test_args());
+  auto d0 = verbs::Device::open(g_lib, o, "n0", config::VerbsHca{env("RDMA_VM_DEV0", "rxe0"), 1});
+  auto d1 = verbs::Device::open(g_lib, o, "n1", config::VerbsHca{env("RDMA_VM_DEV1", "rxe1"), 1});
+  auto connect_both = [&] {
+    int sv[2];
+    REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+    SocketChannel c0(UniqueFd(sv[0]), "n1");
+    SocketChannel c1(UniqueFd(sv[1]), "n0");
+    std::unique_ptr<verbs::Pair> p1;
+    std::thread t([&] { p1 = d1->connect(c1, "n0", Clock::now() + 60s); });
+    std::unique_ptr<verbs::Pair> p0 = d0->connect(c0, "n1", Clock::now() + 60s);
+    t.join();
+    return std::make_pair(std::move(p0), std::move(p1));
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::string> downs0, downs1;
+  std::vector<std::size_t> downs_before_delivery;  // at n0, per delivered message
+  auto down_at = [&](std::vector<std::string>& box) {
+    return [&](const std::string& address, const std::string& node, const std::string& why) {
+      std::lock_guard lock(mu);
+      box.push_back(address + " " + node + " " + why);
+      cv.notify_all();
+    };
+  };
+  verbs::VerbsNodeTransport n0(
+      *d0, nullptr,
+      [&](const std::string&, engine::MessageBytes) {
+        std::lock_guard lock(mu);
+        downs_before_delivery.push_back(downs0.size());
+        cv.notify_all();
+      },
+      down_at(downs0), 60s);
+  verbs::VerbsNodeTransport n1(*d1, nullptr, [](const std::string&, engine::MessageBytes) {},
+                               down_at(downs1), 60s);
+  auto [a0, a1] = connect_both();
+  verbs::Pair* raw1 = a1.get();
+  n0.add_pair("10.99.0.2:7000", std::move(a0));
+  n1.add_pair("10.99.0.1:7000", std::move(a1));
+  auto send_to_n0 = [&] {
+    engine::OutMessage m;
+    m.head.assign(1000, std::byte{7});
+    n1.send("10.99.0.1:7000", std::move(m), nullptr);
+  };
+  send_to_n0();
+  {
+    std::unique_lock lock(mu);
+    REQUIRE(cv.wait_for(lock, 60s, [&] { return downs_before_delivery.size() == 1; }));
+  }
+  raw1->force_error();
+  auto [b0, b1] = connect_both();
+  n1.add_pair("10.99.0.1:7000", std::move(b1));
+  n0.add_pair("10.99.0.2:7000", std::move(b0));
+  send_to_n0();
+  {
+    std::unique_lock lock(mu);
+    REQUIRE(cv.wait_for(lock, 60s, [&] { return downs_before_delivery.size() == 2; }));
+  }
+  std::this_thread::sleep_for(1s);  // a second report would come from a probe by now
+  std::lock_guard lock(mu);
+  REQUIRE(downs0.size() == 1);
+  CHECK(contains(downs0[0], "10.99.0.2:7000 n1 verbs connection to node n1"));
+  MESSAGE("n0: " << downs0[0]);
+  CHECK(downs1.size() == 1);
+  CHECK(downs_before_delivery[1] == 1);  // the report came before the new pair delivered
+  CHECK(n0.connected("10.99.0.2:7000"));
+  CHECK(n1.connected("10.99.0.1:7000"));
+}
+
 int main(int argc, char** argv) {
   try {
     g_lib = verbs::IbverbsLibrary::load();

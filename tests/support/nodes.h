@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -14,7 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "client/collective.h"
 #include "ipc/protocol.capnp.h"
+#include "tests/support/collective_check.h"
 #include "tests/support/harness.h"
 
 namespace collectived::test {
@@ -80,6 +83,120 @@ struct Node {
     }
   }
 };
+
+/// Nodes of one test sharing a cluster secret (in `dir`). With
+/// COLLECTIVED_TEST_LOGS=DIR every daemon's log is kept there when it goes.
+struct Cluster {
+  TempDir dir;
+  std::vector<Node> nodes;
+
+  /// No nodes yet: add() them, then start().
+  Cluster() = default;
+  /// `n` started nodes node0, node1, ... on 127.0.0.2, .3, ..., each with `extra`.
+  /// Heartbeats every 1 s: loopback tests that use this do not test them (a
+  /// killed daemon's connection closes at once), and 200 ms was missed under
+  /// load and in sanitizer builds.
+  explicit Cluster(int n, const std::vector<std::string>& extra = {}) {
+    for (int i = 0; i < n; ++i) {
+      Node& node = add("node" + std::to_string(i), "127.0.0." + std::to_string(i + 2));
+      node.extra = {"deadlines.heartbeat_ms=1000"};
+      node.extra.insert(node.extra.end(), extra.begin(), extra.end());
+    }
+    start();
+  }
+  Cluster(const Cluster&) = delete;
+  Cluster& operator=(const Cluster&) = delete;
+  ~Cluster() {
+    if (const char* keep = std::getenv("COLLECTIVED_TEST_LOGS")) {
+      for (auto& n : nodes) {
+        if (n.daemon) {
+          write_file(std::string(keep) + "/" + n.name + "-" + std::to_string(n.port) + ".log",
+                     n.daemon->log());
+        }
+      }
+    }
+  }
+
+  /// The cluster secret's file.
+  const std::string& secret() {
+    if (secret_.empty()) secret_ = write_secret(dir, "secret", "test cluster secret\n");
+    return secret_;
+  }
+  /// A node with the cluster secret, not started.
+  Node& add(std::string name, std::string ip) {
+    Node node;
+    node.name = std::move(name);
+    node.ip = std::move(ip);
+    node.secret_file = secret();
+    nodes.push_back(std::move(node));
+    return nodes.back();
+  }
+  /// Starts every node not running yet.
+  void start() {
+    for (auto& node : nodes) {
+      if (!node.daemon) node.start();
+    }
+  }
+  const std::string& socket(int i) const { return nodes[i].daemon->socket(); }
+
+ private:
+  std::string secret_;
+};
+
+/// Runs one rank per entry of `layout` (rank -> node), each joining a new
+/// communicator through its node's daemon, then `body(ctx)`; checks that every
+/// rank exits 0 (body's result, then no failures reported).
+inline void run_layout(const Cluster& cl, const std::vector<int>& layout, std::size_t bytes,
+                       const std::function<int(RankCtx&)>& body,
+                       std::chrono::milliseconds timeout = 240s) {
+  const auto id = new_id(cl.socket(0));
+  const int n = static_cast<int>(layout.size());
+  run_ranks(
+      n,
+      [&](int rank) {
+        RankCtx c = join(cl.socket(layout[rank]), id, n, rank, bytes);
+        c.tolerant = true;
+        const int rc = body(c);
+        if (c.comm) collective_comm_destroy(c.comm);
+        collective_disconnect(c.client);
+        return rc != 0 ? rc : (c.failures == 0 ? 0 : 1);
+      },
+      timeout);
+}
+
+/// An int32 sum all-reduce of `count` elements, waited for up to `timeout_ms`.
+inline collective_result_t all_reduce_wait(collective_comm_t* comm, const void* s, void* r,
+                                           std::size_t count, int timeout_ms = 20000) {
+  collective_request_t* req = nullptr;
+  collective_result_t rc =
+      collective_all_reduce(comm, s, r, count, COLLECTIVE_INT32, COLLECTIVE_SUM, &req);
+  if (rc == COLLECTIVE_OK) rc = collective_wait(req, timeout_ms);
+  collective_request_free(req);
+  return rc;
+}
+
+/// Fills `count` int32 with `rank + 1 + i`, all-reduces, checks every element
+/// is the sum; reports (c.report) and returns false otherwise.
+inline bool sum_check(RankCtx& c, collective_comm_t* comm, std::size_t count,
+                      int timeout_ms = 20000) {
+  auto* s = reinterpret_cast<std::int32_t*>(c.send);
+  auto* r = reinterpret_cast<std::int32_t*>(c.recv);
+  const int me = collective_comm_rank(comm), n = collective_comm_size(comm);
+  for (std::size_t i = 0; i < count; ++i) s[i] = me + 1 + static_cast<int>(i);
+  if (all_reduce_wait(comm, s, r, count, timeout_ms) != COLLECTIVE_OK) {
+    c.report(std::string("all_reduce: ") + collective_last_error());
+    return false;
+  }
+  for (std::size_t i = 0; i < count; ++i) {
+    const std::int32_t want = n * (n + 1) / 2 + n * static_cast<int>(i);
+    if (r[i] != want) {
+      c.report("element " + std::to_string(i) + " is " + std::to_string(r[i]) + ", expected " +
+               std::to_string(want));
+      return false;
+    }
+  }
+  return true;
+}
 
 struct Pong {
   Code code = Code::ok;

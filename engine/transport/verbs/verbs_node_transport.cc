@@ -39,6 +39,9 @@ struct VerbsNodeTransport::Peer {
   std::string node;
   std::string error;
   std::thread sender;
+  // One install at a time (two setups may finish together): the old pair's
+  // receiver is joined outside `mu`.
+  std::mutex install_mu;
 };
 
 VerbsNodeTransport::VerbsNodeTransport(Device& device, Connector connector, Deliver deliver,
@@ -106,68 +109,98 @@ void VerbsNodeTransport::add_pair(const std::string& address, std::unique_ptr<Pa
 
 void VerbsNodeTransport::install(Peer& p, std::unique_ptr<Pair> pair) {
   std::shared_ptr<Pair> sp(pair.release());
-  auto retired = std::make_shared<std::atomic<bool>>(false);
+  std::lock_guard installing(p.install_mu);
+  // First the old pair goes, and with it the messages still in flight on it:
+  // writes whose `done` was answered when they were posted, and pieces the
+  // peer wrote that this side has not read. A peer builds a new pair only
+  // when its own broke, so some of them are lost: unless the old receiver
+  // already reported the node down, that report is made here, before the new
+  // pair delivers anything (otherwise an operation waiting for a lost message
+  // would wait for its deadline: the QP-error hang of issue 7, where the peer
+  // rebuilt the pair before this side's probe noticed that it was dead).
   std::shared_ptr<Pair> old_pair;
   std::shared_ptr<std::atomic<bool>> old_retired;
   std::thread old_receiver;
   {
     std::lock_guard lock(p.mu);
     if (p.stop) return;
-    old_pair = std::exchange(p.pair, sp);
-    old_retired = std::exchange(p.retired, retired);
+    old_pair = p.pair;  // stays visible (unhealthy once failed) until the new one is in
+    old_retired = p.retired;
     old_receiver = std::move(p.receiver);
+  }
+  if (old_pair) {
+    const bool reported = old_retired->exchange(true);
+    std::string why = old_pair->error();
+    if (why.empty()) {
+      why = "verbs connection to node " + old_pair->peer() +
+            " was rebuilt by that node (its side broke); messages in flight on it are lost";
+    }
+    old_pair->fail("replaced by a new verbs connection");
+    if (old_receiver.joinable()) old_receiver.join();
+    if (!reported) {
+      {
+        std::lock_guard lock(p.mu);
+        p.error = why;
+      }
+      if (down_) down_(p.address, old_pair->peer(), why);
+    }
+  }
+  auto retired = std::make_shared<std::atomic<bool>>(false);
+  {
+    std::lock_guard lock(p.mu);
+    if (p.stop) return;
+    p.pair = sp;
+    p.retired = retired;
     ++p.pairs;
     p.node = sp->peer();
     p.error.clear();
-    p.receiver = std::thread([this, pp = &p, sp, retired] {
-      struct Partial {
-        engine::MessageBytes data;
-        std::uint64_t got = 0;
-      };
-      std::map<std::uint64_t, Partial> partial;
-      std::map<std::uint64_t, engine::MessageBytes> complete;
-      std::uint64_t expected = 1;
-      while (!retired->load()) {
-        try {
-          const Chunk c = sp->next_chunk(std::nullopt, Clock::now() + std::chrono::milliseconds(200));
-          Partial& m = partial[c.tag];
-          // Allocated once per message, not zero-filled: the chunks cover it.
-          if (m.data.size() != c.total) m.data = engine::MessageBytes(c.total);
-          if (!c.data.empty()) std::memcpy(m.data.data() + c.offset, c.data.data(), c.data.size());
-          m.got += c.data.size();
-          sp->release(c);
-          if (m.got >= c.total) {
-            complete[c.tag] = std::move(m.data);
-            partial.erase(c.tag);
-          }
-          // In send order: pieces of different messages can finish out of
-          // order (several writes in flight, several QPs).
-          for (auto it = complete.find(expected); it != complete.end();
-               it = complete.find(expected)) {
-            deliver_(pp->address, std::move(it->second));
-            complete.erase(it);
-            ++expected;
-          }
-        } catch (const Error& e) {
-          if (e.code() == Code::timeout) continue;
-          if (retired->exchange(true)) return;  // replaced or closing: not a peer failure
-          const std::string why = pair_error(*sp);
-          {
-            std::lock_guard guard(pp->mu);
-            pp->error = why;
-          }
-          if (down_) down_(pp->address, sp->peer(), why);
-          return;
-        }
-      }
-    });
+    p.receiver = std::thread([this, pp = &p, sp, retired] { receive_loop(*pp, sp, retired); });
   }
   p.cv.notify_all();
-  if (old_pair) {
-    old_retired->store(true);
-    old_pair->fail("replaced by a new verbs connection");
+}
+
+void VerbsNodeTransport::receive_loop(Peer& p, std::shared_ptr<Pair> sp,
+                                      std::shared_ptr<std::atomic<bool>> retired) {
+  struct Partial {
+    engine::MessageBytes data;
+    std::uint64_t got = 0;
+  };
+  std::map<std::uint64_t, Partial> partial;
+  std::map<std::uint64_t, engine::MessageBytes> complete;
+  std::uint64_t expected = 1;
+  while (!retired->load()) {
+    try {
+      const Chunk c = sp->next_chunk(std::nullopt, Clock::now() + std::chrono::milliseconds(200));
+      Partial& m = partial[c.tag];
+      // Allocated once per message, not zero-filled: the chunks cover it.
+      if (m.data.size() != c.total) m.data = engine::MessageBytes(c.total);
+      if (!c.data.empty()) std::memcpy(m.data.data() + c.offset, c.data.data(), c.data.size());
+      m.got += c.data.size();
+      sp->release(c);
+      if (m.got >= c.total) {
+        complete[c.tag] = std::move(m.data);
+        partial.erase(c.tag);
+      }
+      // In send order: pieces of different messages can finish out of
+      // order (several writes in flight, several QPs).
+      for (auto it = complete.find(expected); it != complete.end(); it = complete.find(expected)) {
+        deliver_(p.address, std::move(it->second));
+        complete.erase(it);
+        ++expected;
+      }
+    } catch (const Error& e) {
+      if (e.code() == Code::timeout) continue;
+      // Replaced (install reports the node down then, if need be) or closing.
+      if (retired->exchange(true)) return;
+      const std::string why = pair_error(*sp);
+      {
+        std::lock_guard guard(p.mu);
+        p.error = why;
+      }
+      if (down_) down_(p.address, sp->peer(), why);
+      return;
+    }
   }
-  if (old_receiver.joinable()) old_receiver.join();
 }
 
 void VerbsNodeTransport::fail_pair(const std::string& address, const std::string& why) {

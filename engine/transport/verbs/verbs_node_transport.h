@@ -92,6 +92,7 @@ class VerbsNodeTransport final : public engine::NodeTransport {
   std::shared_ptr<Peer> peer_for(const std::string& address);
   void sender_loop(Peer& p);
   void install(Peer& p, std::unique_ptr<Pair> pair);
+  void receive_loop(Peer& p, std::shared_ptr<Pair> pair, std::shared_ptr<std::atomic<bool>> retired);
 
   Device& device_;
   Connector connector_;
