@@ -1,5 +1,7 @@
 #include "daemon/ring_poller.h"
 
+#include <pthread.h>
+
 #include <sched.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -22,7 +24,10 @@ RingPoller::RingPoller(std::chrono::microseconds spin) : spin_(spin) {
   ev.events = EPOLLIN;
   ev.data.fd = wake_.get();
   ::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, wake_.get(), &ev);
-  thread_ = std::thread([this] { run(); });
+  thread_ = std::thread([this] {
+    ::pthread_setname_np(::pthread_self(), "cd-ring-poller");
+    run();
+  });
 }
 
 RingPoller::~RingPoller() {

@@ -121,6 +121,9 @@ Server::Server(config::Profile profile, ProfileSource source, engine::Logger& lo
       started_(std::chrono::steady_clock::now()) {
   engine_.set_node_algorithms(node_algorithms(profile_));
   engine_.set_gpu_executor(gpu_.get());
+  // Operations between nodes run on the event loop that reads the peer
+  // sockets (as fibers): no thread hand-off per message.
+  engine_.set_node_runner([this](std::function<void()> f) { boost::asio::post(io_, std::move(f)); });
 }
 
 Server::~Server() {

@@ -304,6 +304,7 @@ void Engine::check_deadlines() {
   Impl& I = *impl_;
   I.locked([&](std::vector<Delivery>& out, std::vector<std::function<void()>>&) {
     const auto now = Clock::now();
+    I.wake_executors();  // operations between nodes re-check their deadlines
     for (auto it = I.rendezvous.begin(); it != I.rendezvous.end();) {
       Rendezvous& rv = it->second;
       if (now < rv.deadline) {

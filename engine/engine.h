@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -125,6 +126,13 @@ class Engine {
   /// The network to other nodes' daemons; null (the default): single node only.
   /// Set before serving; `transport` must outlive the engine's use of it.
   void set_node_transport(NodeTransport* transport);
+  /// Where operations between nodes run: `post` runs a function later on one
+  /// thread, always the same (the daemon: its event loop, which reads the
+  /// peer sockets: a chunk is then read, reduced and forwarded on one thread,
+  /// with no hand-off). Each operation runs there as a fiber that yields while
+  /// it waits. Unset (tests): a thread of the engine's own. Set once, before
+  /// serving; that thread must call check_deadlines() periodically.
+  void set_node_runner(std::function<void(std::function<void()>)> post);
   /// Chunking and algorithm choice between nodes (profile keys collectives.*).
   void set_node_algorithms(const NodeAlgorithmOptions& options);
   /// A message another node's daemon (at `peer`) sent to this engine.

@@ -13,9 +13,11 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <thread>
 #include <tuple>
 
 #include "engine/engine.h"
+#include "engine/fiber.h"
 #include "engine/gpu/executor.h"
 #include "engine/node_algorithms.h"
 #include "engine/plan.h"
@@ -146,6 +148,7 @@ struct NodeIn {
   Clock::time_point arrived;  // status: how long other nodes have waited on this node
 };
 
+struct Executor;
 struct Inbox {
   std::map<std::tuple<std::uint64_t, std::uint64_t, int>, NodeIn> msgs;  // (seq, tag, from node)
   std::map<std::tuple<int, int, std::uint64_t>, NodeIn> p2p;  // (from rank, to rank, index)
@@ -154,22 +157,64 @@ struct Inbox {
   std::uint64_t bytes = 0;
   Clock::time_point expires;  // an inbox whose communicator never appears
   bool claimed = false;       // a communicator of this node uses it
-  std::condition_variable cv;
+  /// The executor of the communicator using it: woken when something arrives.
+  std::weak_ptr<Executor> exec;
 };
 struct Comm;
 using InboxRef = std::pair<std::shared_ptr<Inbox>, std::weak_ptr<Comm>>;
 
-/// Runs a communicator's operations that span nodes, one after another, on a
-/// thread of its own: they block on other nodes, and a blocked operation must
-/// never hold up another communicator (or the worker pool).
-struct Executor {
+/// Where operations between nodes run: the node thread. The daemon sets
+/// `post` to its event loop (the thread that reads the peer sockets), so that
+/// a chunk that arrives is reduced and forwarded on the thread that read it;
+/// without `post` (tests) the runner starts a thread of its own. Shared with
+/// every executor and the callbacks that wake them, so that a late callback
+/// finds it stopped rather than a destroyed engine.
+struct NodeRunner {
+  std::function<void(std::function<void()>)> post;  // set once, before serving
+  /// Called by the own thread when idle for 20 ms (deadline checks).
+  std::function<void()> idle;
   std::mutex mu;
   std::condition_variable cv;
+  std::deque<std::function<void()>> queue;
+  bool stop = false;
+  std::thread thread;
+
+  /// Runs `f` later on the node thread (never inline).
+  void run(std::function<void()> f);
+  /// Stops and joins the own thread; later run() calls are dropped.
+  void shut();
+};
+
+/// Runs a communicator's operations that span nodes, one after another, in a
+/// fiber (engine/fiber.h) on the node thread. They block on other nodes: a
+/// blocked operation yields the thread, so it never holds up another
+/// communicator, the event loop or the worker pool.
+struct Executor {
+  std::shared_ptr<NodeRunner> runner;
+  std::mutex mu;  // guards jobs
   std::deque<std::function<void()>> jobs;
-  bool closed = false;
-  /// Scratch memory of the operations (NodeChannel::scratch); only the
-  /// executor's thread touches it.
+  /// Set when a wake-up is queued on the node thread (at most one at a time).
+  std::atomic<bool> wake_posted{false};
+  // Node thread only:
+  std::unique_ptr<Fiber> fiber;  // running the jobs
+  bool waiting = false;          // the fiber yielded in wait()
+  Clock::time_point resumed_at;  // when the fiber last got the thread
+  /// Scratch memory of the operations (NodeChannel::scratch).
   std::shared_ptr<MessageBytes> scratch;
+
+  /// From any thread: resumes the fiber (or starts the next job) soon, on the
+  /// node thread. Cheap when already queued.
+  static void wake(const std::shared_ptr<Executor>& ex);
+  /// From inside the executor's fiber: gives the node thread back until
+  /// wake() (a message, a send done, a deadline sweep). Spurious returns
+  /// happen: the caller re-checks what it waits for.
+  static void wait(Executor& ex);
+  /// On the node thread: resumes the fiber, or starts one for queued jobs.
+  static void drive(const std::shared_ptr<Executor>& ex);
+  /// From inside the fiber: gives the thread to the other handlers of the
+  /// event loop (clients, heartbeats, other communicators) if it has held it
+  /// for more than a few milliseconds, then goes on.
+  static void take_turns(const std::shared_ptr<Executor>& ex);
 };
 
 struct Comm {
@@ -287,14 +332,20 @@ struct Engine::Impl {
   NodeAlgorithmOptions algorithms;
   std::map<std::string, InboxRef> inboxes;  // uid -> inbox and the communicator using it
   std::multimap<std::string, PendingJoin> pending_joins;  // key (id@rendezvous) -> ranks
-  int executors = 0;  // executor threads alive (under mu)
-  std::condition_variable executors_cv;
+  std::shared_ptr<NodeRunner> runner = std::make_shared<NodeRunner>();
+  std::vector<std::weak_ptr<Executor>> executors;  // every one made (pruned when woken)
   // Declared last: destroyed first, so its threads are joined (and their
   // tasks, which call back into this Impl, are done) before anything else goes.
   WorkerPool pool;
 
   Impl(EngineOptions o, Registry& r, Logger& l)
-      : options(std::move(o)), registry(r), log(l), pool(options.worker_threads) {}
+      : options(std::move(o)), registry(r), log(l), pool(options.worker_threads) {
+    // The own node thread (no runner set) sweeps deadlines itself.
+    runner->idle = [this] {
+      std::lock_guard lock(mu);
+      wake_executors();
+    };
+  }
   /// Stops the executors of communicators that span nodes (engine_nodes.cc).
   ~Impl();
   Impl(const Impl&) = delete;
@@ -439,7 +490,7 @@ struct Engine::Impl {
     const bool lower = !comm.broken || floor < comm.broken_floor;
     if (comm.spans_nodes() && lower) {
       comm.inbox->broken = error(code, reason);
-      comm.inbox->cv.notify_all();
+      notify(*comm.inbox);
       if (tell_nodes) send_broken(comm, code, reason, floor);
     }
     if (!comm.broken) {
@@ -492,7 +543,12 @@ struct Engine::Impl {
 
   /// Sets up the inbox and the executor of a communicator spanning nodes.
   void attach_nodes(const std::shared_ptr<Comm>& cp);
-  void executor_loop(std::shared_ptr<Executor> ex);
+  /// Wakes the executor waiting on `in` (its message or failure arrived).
+  static void notify(Inbox& in) {
+    if (auto ex = in.exec.lock()) Executor::wake(ex);
+  }
+  /// Wakes every executor, so that waits re-check their deadlines (mu held).
+  void wake_executors();
   /// Joins rank `rank` to the rendezvous `key`; an error text when it cannot.
   std::optional<std::pair<Code, std::string>> join_rendezvous(const std::string& key,
                                                               std::uint32_t nranks,

@@ -24,6 +24,8 @@
 #include <cstring>
 #include <thread>
 
+#include <pthread.h>
+
 #include "engine/engine_impl.h"
 #include "ipc/node.capnp.h"
 
@@ -122,7 +124,9 @@ class EngineChannel final : public NodeChannel {
         desc_(desc),
         desc_rank_(desc_rank),
         deadline_(deadline),
-        budget_(budget) {}
+        budget_(budget) {
+    sends_->exec = comm_->exec;
+  }
 
   int node() const override { return comm_->my_node; }
   int nodes() const override { return static_cast<int>(comm_->node_address.size()); }
@@ -131,7 +135,7 @@ class EngineChannel final : public NodeChannel {
   /// may run after the channel is gone (a failed operation does not wait).
   struct Sends {
     std::mutex mu;
-    std::condition_variable cv;
+    std::weak_ptr<Executor> exec;  // woken when a send is done
     int outstanding = 0;
     std::map<int, int> by_node;  // node -> sends not yet done
     Code code = Code::ok;
@@ -177,13 +181,22 @@ class EngineChannel final : public NodeChannel {
                      sends->code = code;
                      sends->why = "sending to node " + node + " failed: " + why;
                    }
-                   sends->cv.notify_all();
+                   if (auto ex = sends->exec.lock()) Executor::wake(ex);
                  });
   }
 
   void flush() override {
+    for (;;) {
+      {
+        std::lock_guard l(sends_->mu);
+        if (sends_->outstanding == 0) break;
+      }
+      if (Clock::now() >= deadline_) break;
+      check_stopping();
+      Executor::wait(*comm_->exec);
+    }
     std::unique_lock l(sends_->mu);
-    if (!sends_->cv.wait_until(l, deadline_, [&] { return sends_->outstanding == 0; })) {
+    if (sends_->outstanding != 0) {
       std::string nodes;
       for (const auto& [j, n] : sends_->by_node) {
         nodes += (nodes.empty() ? "" : "; ") + std::string("node ") + comm_->node_text(j) +
@@ -208,6 +221,7 @@ class EngineChannel final : public NodeChannel {
   }
 
   NodePayload recv(int from, std::uint64_t tag) override {
+    Executor::take_turns(comm_->exec);
     std::unique_lock lock(I_.mu);
     Inbox& in = *comm_->inbox;
     const auto key = std::make_tuple(seq_, tag, from);
@@ -238,8 +252,7 @@ class EngineChannel final : public NodeChannel {
       if (I_.stopping) {
         throw Error(Code::aborted, "collectived on node " + I_.options.node_name + " is stopping");
       }
-      if (in.cv.wait_until(lock, deadline_) == std::cv_status::timeout &&
-          Clock::now() >= deadline_ && in.msgs.count(key) == 0) {
+      if (Clock::now() >= deadline_) {
         throw Error(Code::timeout,
                     "timed out after " + std::to_string(budget_.count()) +
                         " ms (deadlines.operation_ms) on node " + I_.options.node_name +
@@ -248,11 +261,23 @@ class EngineChannel final : public NodeChannel {
                         ": they have not all submitted this operation, or an earlier one is "
                         "not done there");
       }
+      // Until something arrives for this communicator (or the deadline sweep).
+      lock.unlock();
+      Executor::wait(*comm_->exec);
+      lock.lock();
     }
   }
 
   /// The failure came from another node (it was told there already).
   bool remote_failure = false;
+
+ private:
+  void check_stopping() {
+    std::lock_guard lock(I_.mu);
+    if (I_.stopping) {
+      throw Error(Code::aborted, "collectived on node " + I_.options.node_name + " is stopping");
+    }
+  }
 
  private:
   Engine::Impl& I_;
@@ -272,16 +297,144 @@ class EngineChannel final : public NodeChannel {
 // ---- lifetime ------------------------------------------------------------------------
 
 Engine::Impl::~Impl() {
-  std::unique_lock lock(mu);
-  stopping = true;
-  for (auto& [uid, ref] : inboxes) ref.first->cv.notify_all();
-  for (auto& cp : all_comms()) {
-    if (!cp->exec) continue;
-    std::lock_guard l(cp->exec->mu);
-    cp->exec->closed = true;
-    cp->exec->cv.notify_all();
+  std::vector<std::shared_ptr<Executor>> execs;
+  {
+    std::lock_guard lock(mu);
+    stopping = true;
+    for (const auto& w : executors) {
+      if (auto ex = w.lock()) execs.push_back(ex);
+    }
   }
-  executors_cv.wait_for(lock, std::chrono::seconds(10), [&] { return executors == 0; });
+  // The own node thread (tests) may be inside a fiber: let it finish what it
+  // runs and stop. The daemon's event loop has returned by now.
+  runner->shut();
+  // Suspended fibers see `stopping` when resumed, fail their operation and
+  // unwind (their stacks hold mappings and buffers). Queued jobs run the same
+  // way and answer "stopping".
+  for (int round = 0; round < 1000; ++round) {
+    bool any = false;
+    for (auto& ex : execs) {
+      bool queued;
+      {
+        std::lock_guard l(ex->mu);
+        queued = !ex->jobs.empty();
+      }
+      if (!ex->fiber && !queued) continue;
+      any = true;
+      Executor::drive(ex);
+    }
+    if (!any) break;
+  }
+}
+
+void NodeRunner::run(std::function<void()> f) {
+  if (post) {
+    post(std::move(f));
+    return;
+  }
+  std::lock_guard l(mu);
+  if (stop) return;
+  if (!thread.joinable()) {
+    thread = std::thread([this] {
+      ::pthread_setname_np(::pthread_self(), "cd-node");
+      std::unique_lock lk(mu);
+      while (!stop) {
+        if (queue.empty()) {
+          if (!cv.wait_for(lk, std::chrono::milliseconds(20), [&] { return stop || !queue.empty(); })) {
+            lk.unlock();
+            if (idle) idle();
+            lk.lock();
+          }
+          continue;
+        }
+        auto job = std::move(queue.front());
+        queue.pop_front();
+        lk.unlock();
+        job();
+        lk.lock();
+      }
+    });
+  }
+  queue.push_back(std::move(f));
+  cv.notify_one();
+}
+
+void NodeRunner::shut() {
+  std::thread t;
+  {
+    std::lock_guard l(mu);
+    stop = true;
+    t = std::move(thread);
+    queue.clear();
+  }
+  cv.notify_all();
+  if (t.joinable()) t.join();
+}
+
+void Executor::wake(const std::shared_ptr<Executor>& ex) {
+  if (ex->wake_posted.exchange(true)) return;
+  ex->runner->run([ex] { drive(ex); });
+}
+
+void Executor::wait(Executor& ex) {
+  Fiber* f = Fiber::current();
+  if (f == nullptr) throw Error(Code::internal, "an operation between nodes waited outside its fiber");
+  ex.waiting = true;
+  f->yield();
+  ex.waiting = false;
+}
+
+void Executor::drive(const std::shared_ptr<Executor>& ex) {
+  ex->wake_posted.store(false);
+  if (ex->fiber && !ex->waiting) return;  // it is running, further up this thread's stack
+  if (!ex->fiber) {
+    {
+      std::lock_guard l(ex->mu);
+      if (ex->jobs.empty()) return;
+    }
+    // The executor owns the fiber, which only runs while the executor lives.
+    ex->fiber = std::make_unique<Fiber>([raw = ex.get()] {
+      for (;;) {
+        std::function<void()> job;
+        {
+          std::lock_guard l(raw->mu);
+          if (raw->jobs.empty()) return;
+          job = std::move(raw->jobs.front());
+          raw->jobs.pop_front();
+        }
+        job();
+      }
+    });
+  }
+  ex->waiting = false;
+  ex->resumed_at = Clock::now();
+  bool finished = true;
+  try {
+    finished = ex->fiber->resume();
+  } catch (const std::exception& e) {
+    // run_across_nodes answers every error itself; this would be a bug.
+    std::fprintf(stderr, "collectived: an operation between nodes ended with an exception: %s\n",
+                 e.what());
+  }
+  if (finished) ex->fiber.reset();
+}
+
+void Executor::take_turns(const std::shared_ptr<Executor>& ex) {
+  // 5 ms: long enough that a large operation's chunks go by in batches, short
+  // enough for heartbeats (deadlines.heartbeat_ms) and small operations.
+  if (Clock::now() - ex->resumed_at < std::chrono::milliseconds(5)) return;
+  wake(ex);
+  wait(*ex);
+}
+
+void Engine::Impl::wake_executors() {
+  // Every executor, also those of communicators already released whose last
+  // operation still runs (it waits for its deadline).
+  std::erase_if(executors, [](const std::weak_ptr<Executor>& w) {
+    auto ex = w.lock();
+    if (ex) Executor::wake(ex);
+    return !ex;
+  });
 }
 
 void Engine::Impl::attach_nodes(const std::shared_ptr<Comm>& cp) {
@@ -293,34 +446,13 @@ void Engine::Impl::attach_nodes(const std::shared_ptr<Comm>& cp) {
   comm.inbox = ref.first;
   if (comm.inbox->broken) comm.broken = comm.inbox->broken;
   comm.exec = std::make_shared<Executor>();
-  ++executors;
-  std::thread([this, ex = comm.exec] { executor_loop(ex); }).detach();
-}
-
-void Engine::Impl::executor_loop(std::shared_ptr<Executor> ex) {
-  for (;;) {
-    std::function<void()> job;
-    {
-      std::unique_lock l(ex->mu);
-      ex->cv.wait(l, [&] { return ex->closed || !ex->jobs.empty(); });
-      if (ex->jobs.empty()) break;
-      job = std::move(ex->jobs.front());
-      ex->jobs.pop_front();
-    }
-    job();
-  }
-  std::lock_guard lock(mu);
-  --executors;
-  executors_cv.notify_all();
+  comm.exec->runner = runner;
+  comm.inbox->exec = comm.exec;
+  executors.push_back(comm.exec);
 }
 
 void Engine::Impl::release_nodes(Comm& comm) {
   if (!comm.spans_nodes()) return;
-  if (comm.exec) {
-    std::lock_guard l(comm.exec->mu);
-    comm.exec->closed = true;
-    comm.exec->cv.notify_all();
-  }
   auto it = inboxes.find(comm.uid);
   if (it != inboxes.end() && it->second.first == comm.inbox) inboxes.erase(it);
   comm.inbox->msgs.clear();
@@ -625,7 +757,7 @@ bool Engine::Impl::check_remote_desc(Comm& comm, std::uint64_t seq, std::vector<
                             " but " + comm.who(in.desc_rank) + " submitted " + in.desc.str();
     send_slot_failed(comm, seq, Code::mismatch, why);
     comm.inbox->failed[seq] = error(Code::mismatch, why, seq);
-    comm.inbox->cv.notify_all();
+    notify(*comm.inbox);
     if (!slot.started) {
       fail_slot(comm, slot, Code::mismatch, why, out);
       if (slot.arrived >= comm.local_count) end_slot(comm, sit);
@@ -636,9 +768,11 @@ bool Engine::Impl::check_remote_desc(Comm& comm, std::uint64_t seq, std::vector<
 }
 
 void Engine::Impl::start_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64_t seq) {
-  std::lock_guard l(cp->exec->mu);
-  cp->exec->jobs.push_back([this, cp, seq] { run_across_nodes(cp, seq); });
-  cp->exec->cv.notify_one();
+  {
+    std::lock_guard l(cp->exec->mu);
+    cp->exec->jobs.push_back([this, cp, seq] { run_across_nodes(cp, seq); });
+  }
+  Executor::wake(cp->exec);
 }
 
 void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64_t seq) {
@@ -1044,7 +1178,7 @@ void Engine::Impl::handle_node_message(const std::string& peer, MessageBytes byt
       if (cp && cp->is_ended(seq)) return;  // a failed operation's late data
       in.bytes += item.payload.storage.size();
       in.msgs[{seq, tag, from_node}] = std::move(item);
-      in.cv.notify_all();
+      notify(in);
       if (cp) check_remote_desc(*cp, seq, out);
       return;
     }
@@ -1072,7 +1206,7 @@ void Engine::Impl::handle_node_message(const std::string& peer, MessageBytes byt
       const std::string why = text(f.getMessage());
       if (cp && cp->is_ended(seq)) return;
       it->second.first->failed[seq] = error(code, why, seq);
-      it->second.first->cv.notify_all();
+      notify(*it->second.first);
       if (!cp) return;
       Comm& comm = *cp;
       auto [sit, fresh] = comm.slots.try_emplace(seq);
@@ -1184,7 +1318,7 @@ void Engine::Impl::node_shutdown(const std::string& reason, std::vector<Delivery
   std::set<std::string> keys;
   for (auto& [key, p] : pending_joins) keys.insert(key);
   for (const auto& key : keys) fail_pending_joins(key, -1, Code::aborted, reason, out);
-  for (auto& [uid, ref] : inboxes) ref.first->cv.notify_all();
+  wake_executors();
 }
 
 // ---- the public side -----------------------------------------------------------------------
@@ -1192,6 +1326,11 @@ void Engine::Impl::node_shutdown(const std::string& reason, std::vector<Delivery
 void Engine::set_node_transport(NodeTransport* transport) {
   std::lock_guard lock(impl_->mu);
   impl_->transport = transport;
+}
+
+void Engine::set_node_runner(std::function<void(std::function<void()>)> post) {
+  std::lock_guard lock(impl_->mu);
+  impl_->runner->post = std::move(post);
 }
 
 void Engine::set_node_algorithms(const NodeAlgorithmOptions& options) {

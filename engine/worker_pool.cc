@@ -1,5 +1,7 @@
 #include "engine/worker_pool.h"
 
+#include <pthread.h>
+
 #include <cstdio>
 #include <exception>
 
@@ -10,7 +12,10 @@ namespace collectived::engine {
 WorkerPool::WorkerPool(std::size_t threads, std::chrono::microseconds spin) : spin_(spin) {
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
   threads_.reserve(threads);
-  for (std::size_t i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
+  for (std::size_t i = 0; i < threads; ++i) threads_.emplace_back([this] {
+    ::pthread_setname_np(::pthread_self(), "cd-worker");
+    run();
+  });
 }
 
 WorkerPool::~WorkerPool() {

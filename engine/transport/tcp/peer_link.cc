@@ -117,6 +117,18 @@ PeerStream::PeerStream(tcp::socket socket, std::uint64_t max_frame_bytes)
   if (!ec) local_text_ = endpoint_text(local);
 }
 
+namespace {
+// Asio's transfer_all() moves at most 64 KiB per system call (its default
+// maximum transfer size): a 1 MiB chunk then costs 16 sendmsg or recv calls
+// and as many trips through the reactor (measured: 4 per 256 KiB message).
+// Whole pieces let the kernel take, in one call, what its socket buffer holds.
+struct TransferAllLarge {
+  std::size_t operator()(const boost::system::error_code& ec, std::size_t /*done*/) const {
+    return ec ? 0 : std::size_t{1} << 30;
+  }
+};
+}  // namespace
+
 void PeerStream::start() { read_next(); }
 
 bool PeerStream::set_max_frame(std::uint64_t max_frame_bytes) {
@@ -159,7 +171,7 @@ void PeerStream::drain() {
         raw_.dest += got;
         raw_.remaining -= got;
         if (raw_.remaining > 0) {
-          asio::async_read(socket_, asio::buffer(raw_.dest, raw_.remaining),
+          asio::async_read(socket_, asio::buffer(raw_.dest, raw_.remaining), TransferAllLarge{},
                            [self = shared_from_this()](const boost::system::error_code& ec,
                                                        std::size_t n) {
                              if (self->closed_) return;
@@ -270,7 +282,7 @@ void PeerStream::write_next() {
     return;
   }
   writing_ = true;
-  asio::async_write(socket_, buffers,
+  asio::async_write(socket_, buffers, TransferAllLarge{},
                     [self = shared_from_this()](const boost::system::error_code& ec,
                                                 std::size_t n) {
                       if (self->closed_) return;

@@ -1,0 +1,120 @@
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include "engine/fiber.h"
+
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace collectived::engine {
+namespace {
+
+TEST_CASE("fiber: runs until it yields, resumes where it left off, finishes once") {
+  std::vector<std::string> trace;
+  Fiber f([&] {
+    trace.push_back("a");
+    Fiber::current()->yield();
+    trace.push_back("b");
+    Fiber::current()->yield();
+    trace.push_back("c");
+  });
+  CHECK(Fiber::current() == nullptr);
+  CHECK_FALSE(f.started());
+  CHECK_FALSE(f.resume());
+  CHECK(trace == std::vector<std::string>{"a"});
+  CHECK(Fiber::current() == nullptr);
+  CHECK_FALSE(f.resume());
+  CHECK(trace == std::vector<std::string>{"a", "b"});
+  CHECK(f.resume());
+  CHECK(f.finished());
+  CHECK(trace == std::vector<std::string>{"a", "b", "c"});
+  CHECK(f.resume());  // a finished fiber stays finished
+  CHECK(trace.size() == 3);
+}
+
+TEST_CASE("fiber: an exception thrown inside reaches the resume() that ran it") {
+  Fiber f([&] {
+    Fiber::current()->yield();
+    throw std::runtime_error("inside the fiber");
+  });
+  CHECK_FALSE(f.resume());
+  CHECK_THROWS_WITH(f.resume(), "inside the fiber");
+  CHECK(f.finished());
+}
+
+TEST_CASE("fiber: exceptions thrown and caught inside, across yields, and deep stacks") {
+  int caught = 0;
+  std::function<int(int)> deep = [&](int n) -> int {
+    char pad[1024];
+    std::memset(pad, n & 0xff, sizeof pad);
+    return n == 0 ? pad[7] : deep(n - 1) + (pad[3] != 0 ? 1 : 0);
+  };
+  int depth_result = -1;
+  Fiber f([&] {
+    for (int i = 0; i < 3; ++i) {
+      try {
+        Fiber::current()->yield();
+        throw std::runtime_error("caught inside");
+      } catch (const std::exception&) {
+        ++caught;
+      }
+    }
+    depth_result = deep(200);  // ~200 KiB of stack
+  });
+  int resumes = 0;
+  while (!f.resume()) ++resumes;
+  CHECK(resumes == 3);
+  CHECK(caught == 3);
+  CHECK(depth_result == 200);
+}
+
+TEST_CASE("fiber: many fibers interleaved on one thread keep their own stacks") {
+  constexpr int kFibers = 16, kRounds = 50;
+  std::vector<long> sums(kFibers, 0);
+  std::vector<std::unique_ptr<Fiber>> fibers;
+  for (int i = 0; i < kFibers; ++i) {
+    fibers.push_back(std::make_unique<Fiber>([&sums, i] {
+      long local = 0;  // lives on this fiber's stack across yields
+      for (int r = 0; r < kRounds; ++r) {
+        local += i * 1000 + r;
+        Fiber::current()->yield();
+      }
+      sums[i] = local;
+    }));
+  }
+  bool all_done = false;
+  while (!all_done) {
+    all_done = true;
+    for (auto& f : fibers) all_done = f->resume() && all_done;
+  }
+  for (int i = 0; i < kFibers; ++i) {
+    CHECK(sums[i] == static_cast<long>(i) * 1000 * kRounds + kRounds * (kRounds - 1) / 2);
+  }
+}
+
+TEST_CASE("fiber: a fiber resumed from inside another returns to it") {
+  std::vector<int> trace;
+  Fiber inner([&] {
+    trace.push_back(2);
+    CHECK(Fiber::current() != nullptr);
+    Fiber::current()->yield();
+    trace.push_back(4);
+  });
+  Fiber outer([&] {
+    trace.push_back(1);
+    Fiber* me = Fiber::current();
+    CHECK_FALSE(inner.resume());
+    CHECK(Fiber::current() == me);
+    trace.push_back(3);
+    CHECK(inner.resume());
+    trace.push_back(5);
+  });
+  CHECK(outer.resume());
+  CHECK(trace == std::vector<int>{1, 2, 3, 4, 5});
+}
+
+}  // namespace
+}  // namespace collectived::engine
