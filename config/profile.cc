@@ -423,7 +423,7 @@ constexpr std::array<EnumName<TransportKind>, 3> kTransports{{
     {"verbs", TransportKind::verbs},
 }};
 
-constexpr std::array<EnumName<int>, 3> kAlgorithms{{{"auto", 0}, {"ring", 1}, {"direct", 2}}};
+constexpr std::array<EnumName<int>, 4> kAlgorithms{{{"auto", 0}, {"ring", 1}, {"direct", 2}, {"pairwise", 3}}};
 
 constexpr std::array<EnumName<LogLevel>, 5> kLogLevels{{
     {"trace", LogLevel::trace},
@@ -590,6 +590,9 @@ constexpr std::array kSchema{
     Key{"collectives.direct_max_bytes",
         [](N n, Profile& p, C c) { p.collectives.direct_max_bytes = as_size(n, c, 0, 64 * MiB); },
         [](E e, P p) { e << p.collectives.direct_max_bytes; }, "direct exchange up to this size"},
+    Key{"collectives.pairwise_max_nodes",
+        [](N n, Profile& p, C c) { p.collectives.pairwise_max_nodes = as_uint(n, c, 1, 1024); },
+        [](E e, P p) { e << p.collectives.pairwise_max_nodes; }, "pairwise up to this many nodes"},
 
     Key{"verbs.hcas", [](N n, Profile& p, C c) { p.verbs.hcas = as_hca_list(n, c); },
         [](E e, P p) {

@@ -111,7 +111,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   const std::string text(cfg::default_profile_text());
   REQUIRE(!text.empty());
   const std::vector<std::string> keys = cfg::known_keys();
-  CHECK(keys.size() == 38);  // main's 37 + metrics.listen
+  CHECK(keys.size() == 39);  // main's 37 + metrics.listen
   CHECK(keys.front() == "node.name");
   CHECK(keys.back() == "metrics.listen");
   for (const std::string& key : keys) {
@@ -148,6 +148,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   CHECK(p.tcp.chunk_bytes == 1024 * 1024);
   CHECK(p.collectives.algorithm == "auto");
   CHECK(p.collectives.direct_max_bytes == 64 * 1024);
+  CHECK(p.collectives.pairwise_max_nodes == 4);
   CHECK(p.verbs.hcas.empty());
   CHECK(p.verbs.gid_index == -1);
   CHECK(p.verbs.mtu == 0);

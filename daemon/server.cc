@@ -54,6 +54,7 @@ engine::NodeAlgorithmOptions node_algorithms(const config::Profile& p) {
   engine::NodeAlgorithmOptions o;
   o.algorithm = p.collectives.algorithm;
   o.direct_max_bytes = p.collectives.direct_max_bytes;
+  o.pairwise_max_nodes = static_cast<int>(p.collectives.pairwise_max_nodes);
   // A transfer chunk plus its engine header must fit one TCP chunk: a message
   // one header over tcp.chunk_bytes would travel as two frames and be
   // reassembled (a zero-fill and a copy more) on the other side.

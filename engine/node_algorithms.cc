@@ -131,6 +131,59 @@ class Algorithms {
     }
   }
 
+  /// Pairwise reduce-scatter: every node sends each other node that node's
+  /// segment at once (in chunks), then reduces what it receives for its own
+  /// segment, chunk by chunk, over all nodes in node order (deterministic).
+  /// Each node sends (N-1)/N of the data, as in the ring, but in one step
+  /// instead of N-1 store-and-forward steps.
+  void pairwise_reduce_scatter(std::byte* buf, const std::vector<Segment>& segs, DType dtype,
+                               RedOp op, std::uint64_t phase) {
+    if (n_ == 1) return;
+    // Start with the next node, so that the nodes do not all send to node 0 first.
+    for (int k = 1; k < n_; ++k) {
+      const int j = mod(i_ + k);
+      send_segment(j, buf, segs[j], phase, static_cast<std::uint64_t>(i_));
+    }
+    const Segment& mine = segs[i_];
+    const std::uint64_t total = segment_bytes(mine);
+    std::vector<NodePayload> in(n_);
+    std::vector<const void*> srcs(n_);
+    for (std::uint64_t c = 0; c < chunks(total); ++c) {
+      const std::uint64_t from = c * chunk_, to = std::min(total, from + chunk_);
+      for (int j = 0; j < n_; ++j) {
+        if (j == i_) continue;
+        in[j] = ch_.recv(j, tag_of(base_, phase, static_cast<std::uint64_t>(j), c));
+        expect_size(in[j], to - from, j);
+      }
+      for_pieces(buf, mine, from, to, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
+        for (int j = 0; j < n_; ++j) srcs[j] = j == i_ ? static_cast<const void*>(p) : in[j].data() + off;
+        reduce(dtype, op, p, srcs.data(), srcs.size(), len / dtype_size(dtype), 1);
+      });
+      for (auto& m : in) m = NodePayload{};
+    }
+    // The other segments went out in place; the caller overwrites them next.
+    ch_.flush();
+  }
+
+  /// Pairwise all-gather: every node sends its segment to every other one, in
+  /// chunks, and copies in what it receives as it arrives.
+  void pairwise_all_gather(std::byte* buf, const std::vector<Segment>& segs, std::uint64_t phase) {
+    if (n_ == 1) return;
+    for (int k = 1; k < n_; ++k) send_segment(mod(i_ + k), buf, segs[i_], phase, 0);
+    for (int k = 1; k < n_; ++k) {
+      const int j = mod(i_ - k);  // the node that sent to us first
+      const std::uint64_t total = segment_bytes(segs[j]);
+      for (std::uint64_t c = 0; c < chunks(total); ++c) {
+        const std::uint64_t from = c * chunk_, to = std::min(total, from + chunk_);
+        NodePayload m = ch_.recv(j, tag_of(base_, phase, 0, c));
+        expect_size(m, to - from, j);
+        for_pieces(buf, segs[j], from, to, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
+          std::memcpy(p, m.data() + off, len);
+        });
+      }
+    }
+  }
+
   /// Direct all-gather: every node sends its segment to every other one.
   void direct_all_gather(std::byte* buf, const std::vector<Segment>& segs, std::uint64_t phase) {
     const std::uint64_t mine = segment_bytes(segs[i_]);
@@ -239,8 +292,15 @@ class Algorithms {
 
 bool use_direct(std::uint64_t bytes, const NodeAlgorithmOptions& o) {
   if (o.algorithm == "direct") return true;
-  if (o.algorithm == "ring") return false;
+  if (o.algorithm == "ring" || o.algorithm == "pairwise") return false;
   return bytes <= o.direct_max_bytes;
+}
+
+/// Above the direct size: pairwise (one step) or ring (N-1 steps).
+bool use_pairwise(int nodes, const NodeAlgorithmOptions& o) {
+  if (o.algorithm == "pairwise") return true;
+  if (o.algorithm == "ring" || o.algorithm == "direct") return false;
+  return nodes <= o.pairwise_max_nodes;
 }
 
 /// Segments of a contiguous buffer of `count` elements split evenly by node.
@@ -273,8 +333,9 @@ std::string node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
   switch (kind) {
     case OpKind::all_reduce:
     case OpKind::all_gather:
-      return use_direct(bytes, options) ? "direct" : "ring";
-    case OpKind::reduce_scatter: return "ring";
+      if (use_direct(bytes, options)) return "direct";
+      return use_pairwise(nodes, options) ? "pairwise" : "ring";
+    case OpKind::reduce_scatter: return use_pairwise(nodes, options) ? "pairwise" : "ring";
     case OpKind::broadcast: return use_direct(bytes, options) ? "direct" : "chain";
     case OpKind::reduce: return "chain";
     default: return "exchange";
@@ -340,6 +401,10 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
       local_reduce(w, one);
       if (use_direct(one, options)) {
         if (n > 1) algo.direct_all_reduce(w, one, op.dtype, combine, 1);
+      } else if (use_pairwise(n, options)) {
+        const auto segs = even_segments(op.count, es, n);
+        algo.pairwise_reduce_scatter(w, segs, op.dtype, combine, 1);
+        algo.pairwise_all_gather(w, segs, 2);
       } else {
         const auto segs = even_segments(op.count, es, n);
         algo.ring_reduce_scatter(w, segs, op.dtype, combine, 1);
@@ -356,6 +421,8 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
       const auto segs = rank_segments(op.node_of_rank, one, n);
       if (use_direct(one * op.nranks, options)) {
         algo.direct_all_gather(w, segs, 1);
+      } else if (use_pairwise(n, options)) {
+        algo.pairwise_all_gather(w, segs, 1);
       } else {
         algo.ring_all_gather(w, segs, 1);
       }
@@ -366,8 +433,13 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
       const std::uint64_t total = one * op.nranks;
       std::byte* t = ch.scratch(total);
       local_reduce(t, total);
-      algo.ring_reduce_scatter(t, rank_segments(op.node_of_rank, one, n), op.dtype,
-                               combine, 1);
+      if (use_pairwise(n, options)) {
+        algo.pairwise_reduce_scatter(t, rank_segments(op.node_of_rank, one, n), op.dtype,
+                                     combine, 1);
+      } else {
+        algo.ring_reduce_scatter(t, rank_segments(op.node_of_rank, one, n), op.dtype,
+                                 combine, 1);
+      }
       for (const auto& b : L) {
         copy_bytes(b.recv, t + b.rank * one, one);
         finish_avg(b.recv, one);

@@ -5,9 +5,13 @@
 // buffers (they are all mapped into it), then exchanges one contribution per
 // node with the other daemons, then writes every local rank's output. Between
 // nodes the algorithms are:
-//   - ring reduce-scatter + ring all-gather (bandwidth: every node sends
-//     2(N-1)/N of the data), pipelined in chunks so that the reduction of one
-//     chunk overlaps the transfer of the next;
+//   - pairwise reduce-scatter + all-gather (up to pairwise_max_nodes nodes):
+//     every node sends each other node its share at once, in chunks, and
+//     reduces (or copies) what arrives; every node sends 2(N-1)/N of the
+//     data in one step;
+//   - ring reduce-scatter + ring all-gather (more nodes; the same bytes in
+//     N-1 steps, each to one neighbour), pipelined in chunks so that the
+//     reduction of one chunk overlaps the transfer of the next;
 //   - direct exchange (latency: one round, every node sends its whole
 //     contribution to every other node and reduces them in node order);
 //   - chains for broadcast and reduce (pipelined in chunks, each link carries
@@ -84,7 +88,12 @@ struct NodeAlgorithmOptions {
   /// Operations up to this many bytes per node use the direct exchange
   /// (all-reduce, all-gather, broadcast); larger ones the ring or chain.
   std::size_t direct_max_bytes = std::size_t{64} << 10;
-  /// "auto" (by size), "ring" or "direct": the profile's override.
+  /// Above direct_max_bytes, communicators over at most this many nodes use
+  /// the pairwise algorithms (every node exchanges with every other at once:
+  /// the ring's bytes in one step instead of N-1), larger ones the ring.
+  int pairwise_max_nodes = 4;
+  /// "auto" (by size and nodes), "ring", "pairwise" or "direct": the
+  /// profile's override.
   std::string algorithm = "auto";
 };
 

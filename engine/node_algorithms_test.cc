@@ -241,9 +241,12 @@ void run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorith
 TEST_CASE("node algorithms match the reference for every layout, size and operation") {
   const std::vector<std::vector<int>> layouts = {
       {0, 1}, {0, 1, 2}, {0, 1, 0, 1}, {0, 0, 1, 2, 2, 2}, {2, 0, 1, 0}, {1, 0, 1, 2, 3, 3}};
+  for (const int pairwise_max : {1, 4}) {  // larger: ring (more nodes), pairwise
   NodeAlgorithmOptions o;
   o.chunk_bytes = 256;       // many chunks per segment
-  o.direct_max_bytes = 512;  // both the direct and the ring paths
+  o.direct_max_bytes = 512;  // the direct path and a larger one
+  o.pairwise_max_nodes = pairwise_max;
+  CAPTURE(pairwise_max);
   const OpKind kinds[] = {OpKind::all_reduce, OpKind::all_gather, OpKind::reduce_scatter,
                           OpKind::broadcast,  OpKind::reduce,     OpKind::all_to_all,
                           OpKind::barrier};
@@ -267,18 +270,25 @@ TEST_CASE("node algorithms match the reference for every layout, size and operat
       }
     }
   }
+  }
 }
 
 TEST_CASE("the algorithm choice follows the size and the profile's override") {
   NodeAlgorithmOptions o;
   CHECK(node_algorithm(OpKind::all_reduce, 8, 4, o) == "direct");
-  CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 4, o) == "ring");
+  CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 4, o) == "pairwise");
+  CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 5, o) == "ring");
+  CHECK(node_algorithm(OpKind::reduce_scatter, 8, 4, o) == "pairwise");
+  CHECK(node_algorithm(OpKind::all_gather, 1 << 20, 3, o) == "pairwise");
   CHECK(node_algorithm(OpKind::broadcast, 1 << 20, 4, o) == "chain");
   CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 1, o) == "none");
   o.algorithm = "direct";
   CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 4, o) == "direct");
   o.algorithm = "ring";
   CHECK(node_algorithm(OpKind::all_reduce, 8, 4, o) == "ring");
+  CHECK(node_algorithm(OpKind::reduce_scatter, 1 << 20, 2, o) == "ring");
+  o.algorithm = "pairwise";
+  CHECK(node_algorithm(OpKind::all_reduce, 8, 8, o) == "pairwise");
 }
 
 TEST_CASE("an error from the channel reaches the caller") {
