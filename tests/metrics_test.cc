@@ -130,6 +130,11 @@ TEST_CASE("scraping a daemon over TCP: operations, bytes, latency, errors, conne
   collective_request_t* stuck = nullptr;
   REQUIRE(collective_broadcast(a.comm, a.buf, a.buf, 16, COLLECTIVE_FLOAT32, 0, &stuck) ==
           COLLECTIVE_OK);
+  // Its age counts from when the daemon took it, which may be after the
+  // call returned (ASan on a loaded machine: 11 ms later): in flight first.
+  CHECK(test::eventually([&] {
+    return sample(http_get(addr), "collectived_operations_in_flight") == 1;
+  }, 5s));
   ::usleep(100000);
   text = http_get(addr);
   CHECK(sample(text, "collectived_operations_in_flight") == 1);

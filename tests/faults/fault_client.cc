@@ -30,13 +30,15 @@
 // After each run: the daemon is alive, and (within 3 s) the status request
 // shows no registrations, communicators or operations in flight, one client
 // (this program), and the daemon's descriptors (/proc/P/fd and status) are
-// back to their number before the first run; for the peer kinds, on node0
+// back to their number before the first run (a restarted node1: as many as
+// node1 had before the first run); for the peer kinds, on node0
 // (and on node1 for cut-peer) also the peer table: one peer, ready, with the
 // same number of TCP streams as before.
 // Prints "KIND: survived X/N" and exits 0 only if every run passed.
 // nodes.h (the Node helper) includes doctest; this is no doctest program:
 // its assertion macros compile to nothing here and no test registry is linked.
 #define DOCTEST_CONFIG_DISABLE
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -113,7 +115,7 @@ Snapshot snapshot(const std::string& socket, pid_t daemon_pid) {
 struct Ready {
   int fd[2];
   Ready() {
-    if (::pipe(fd) != 0) std::abort();
+    if (::pipe2(fd, O_CLOEXEC) != 0) std::abort();
   }
   ~Ready() {
     ::close(fd[0]);
@@ -187,7 +189,7 @@ std::string run_once(const Args& a, int run) {
   });
   const pid_t victim_pid = victim.pid();
   int pipe_fd[2];
-  if (::pipe(pipe_fd) != 0) std::abort();
+  if (::pipe2(pipe_fd, O_CLOEXEC) != 0) std::abort();
   test::Child survivor([&] {
     ::close(pipe_fd[0]);
     collective_client_t* c;
@@ -247,6 +249,28 @@ std::string run_once(const Args& a, int run) {
 
 // --- Peer kinds: two daemons standing for two nodes ---------------------------
 
+/// The peer kinds' daemons log at FAULT_LOG_LEVEL (debug by default: a failed
+/// run prints what both daemons logged during it).
+std::string log_level() {
+  const char* v = std::getenv("FAULT_LOG_LEVEL");
+  return v && *v ? v : "debug";
+}
+
+/// The daemon's open descriptors, one "fd -> target" per line (to tell a leak
+/// from a connection).
+std::string fd_list(pid_t pid) {
+  std::string out;
+  std::error_code ec;
+  const std::string dir = "/proc/" + std::to_string(pid) + "/fd";
+  for (auto it = std::filesystem::directory_iterator(dir, ec);
+       !ec && it != std::filesystem::directory_iterator(); ++it) {
+    std::error_code ec2;
+    out += "    " + it->path().filename().string() + " -> " +
+           std::filesystem::read_symlink(it->path(), ec2).string() + "\n";
+  }
+  return out;
+}
+
 /// node0 on 127.0.0.22 and node1 on 127.0.0.23 (addresses no other test uses),
 /// one cluster secret, heartbeats every 200 ms.
 struct Cluster {
@@ -259,7 +283,7 @@ struct Cluster {
       n.name = "node" + std::to_string(i);
       n.ip = "127.0.0." + std::to_string(22 + i);
       n.secret_file = secret;
-      n.extra = {"log.level=warn", "deadlines.operation_ms=" + std::to_string(deadline_ms),
+      n.extra = {"log.level=" + log_level(), "deadlines.operation_ms=" + std::to_string(deadline_ms),
                  "client.allowed_uids=[" + std::to_string(::getuid()) + "]"};
       nodes.push_back(std::move(n));
     }
@@ -268,6 +292,35 @@ struct Cluster {
   const std::string& socket(int i) const { return nodes[i].daemon->socket(); }
   pid_t pid(int i) const { return nodes[i].daemon->pid(); }
   Snapshot snap(int i) const { return snapshot(socket(i), pid(i)); }
+
+  // What each daemon logged during one run, printed when the run fails.
+  std::size_t log_mark[2] = {0, 0};
+  std::string killed_log;  // node1's log up to its SIGKILL (kill-peer)
+  void mark_logs() {
+    for (int i = 0; i < 2; ++i) log_mark[i] = nodes[i].daemon ? nodes[i].daemon->log().size() : 0;
+    killed_log.clear();
+  }
+  std::string run_log(int i) const {
+    if (!nodes[i].daemon) return "";
+    const std::string all = nodes[i].daemon->log();
+    return log_mark[i] <= all.size() ? all.substr(log_mark[i]) : all;
+  }
+  /// node1 is about to be replaced: keep what it logged in this run.
+  void keep_killed_log() {
+    killed_log = run_log(1);
+    log_mark[1] = 0;
+  }
+  std::string run_logs() const {
+    std::string out;
+    const auto add = [&](const std::string& title, const std::string& text) {
+      out += "  --- " + title + " (" + std::to_string(text.size()) + " bytes)\n" + text;
+      if (!text.empty() && text.back() != '\n') out += '\n';
+    };
+    add("node0's log during the run", run_log(0));
+    if (!killed_log.empty()) add("node1's log during the run, up to its SIGKILL", killed_log);
+    add(killed_log.empty() ? "node1's log during the run" : "the restarted node1's log", run_log(1));
+    return out;
+  }
 };
 
 /// Destroys every TCP connection to either daemon's peer listener (both ends;
@@ -294,7 +347,7 @@ int cut_connections(const Cluster& cl) {
 struct Answer {
   int fd[2];
   Answer() {
-    if (::pipe(fd) != 0) std::abort();
+    if (::pipe2(fd, O_CLOEXEC) != 0) std::abort();
   }
   ~Answer() {
     ::close(fd[0]);
@@ -364,23 +417,36 @@ bool checked_all_reduce(collective_comm_t* comm, float* buf, std::size_t count, 
 std::string serve_check(const Cluster& cl) {
   const collective_unique_id_t id = new_id(cl.socket(0));
   std::vector<std::unique_ptr<test::Child>> ranks;
+  Answer said[2];
   for (int r = 0; r < 2; ++r) {
     ranks.push_back(std::make_unique<test::Child>([&, r] {
+      ::close(said[1 - r].fd[1]);
       collective_client_t* c;
       collective_comm_t* comm;
       float* buf;
-      if (!join(cl.socket(r), id, 2, r, &c, &comm, &buf, 4096)) return 1;
-      if (!checked_all_reduce(comm, buf, 4096, r)) return 2;
+      const auto t0 = Clock::now();
+      const auto fail = [&](const char* step, int code) {
+        const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
+        said[r].say(std::string(step) + " after " + std::to_string(ms) + " ms: " + collective_last_error());
+        return code;
+      };
+      if (!join(cl.socket(r), id, 2, r, &c, &comm, &buf, 4096)) return fail("join", 1);
+      if (!checked_all_reduce(comm, buf, 4096, r)) return fail("all-reduce", 2);
       collective_comm_destroy(comm);
       collective_disconnect(c);
       return 0;
     }));
   }
+  for (auto& a : said) a.parent_side();
   std::string why;
   for (int r = 0; r < 2; ++r) {
     auto st = ranks[r]->wait(30s);
     if (!st.exited || st.code != 0) {
-      why += "rank " + std::to_string(r) + (st.exited ? " exit " + std::to_string(st.code) : " hung or killed") + "; ";
+      why += "rank " + std::to_string(r) + (st.exited ? " exit " + std::to_string(st.code) : " hung or killed");
+      ranks[r]->kill(SIGKILL);
+      ranks[r]->wait(5s);
+      const std::string text = said[r].read();
+      why += (text.empty() ? std::string() : " (" + text + ")") + "; ";
     }
   }
   return why.empty() ? "" : "a new communicator across both nodes failed: " + why;
@@ -458,6 +524,7 @@ std::string run_peer_once(const Args& a, Cluster& cl, int run) {
   if (!cut) {
     // The killed node comes back on its port.
     cl.nodes[1].daemon->wait(5s);
+    cl.keep_killed_log();
     cl.nodes[1].daemon.reset();
     try {
       cl.nodes[1].start(true);
@@ -492,6 +559,7 @@ int peer_main(const Args& a) {
   std::string last;
   for (int run = 0; run < a.runs; ++run) {
     const auto t0 = Clock::now();
+    cl->mark_logs();
     std::string why = run_peer_once(a, *cl, run);
     if (!cl->nodes[0].daemon->alive()) {
       std::printf("%s: run %d: NODE0'S DAEMON DIED: %s\n", a.kind.c_str(), run, why.c_str());
@@ -508,8 +576,11 @@ int peer_main(const Args& a) {
     } else {
       clean1 = test::eventually([&] {
         now1 = cl->snap(1);
+        // Its descriptors too: the daemon inherits none of ours (harness),
+        // so a restarted node1 in the same state has as many as the first.
         return now1.registrations == 0 && now1.communicators == 0 && now1.in_flight == 0 &&
-               now1.clients == 1 && now1.peers == 1;
+               now1.clients == 1 && now1.peers == 1 && now1.fds_proc == base1.fds_proc &&
+               now1.fds_status == base1.fds_status;
       }, 3s);
     }
     if (why.empty() && !clean0) why = "leak on node0: " + now0.text() + " (before: " + base0.text() + ")";
@@ -518,7 +589,20 @@ int peer_main(const Args& a) {
     if (why.empty()) {
       ++survived;
     } else {
-      std::printf("%s: run %d (%lld ms): %s\n", a.kind.c_str(), run, static_cast<long long>(ms), why.c_str());
+      std::printf("%s: run %d (%lld ms): %s\n%s", a.kind.c_str(), run, static_cast<long long>(ms),
+                  why.c_str(), cl->run_logs().c_str());
+      if (why.starts_with("leak")) {
+        std::printf("  --- node0's descriptors\n%s  --- node1's descriptors\n%s",
+                    fd_list(cl->pid(0)).c_str(), fd_list(cl->pid(1)).c_str());
+      }
+    }
+    if (std::getenv("FAULT_VERBOSE")) {
+      std::printf("%s: run %d: node0 %s; node1 %s\n", a.kind.c_str(), run, now0.text().c_str(),
+                  now1.text().c_str());
+      if (now1.fds_proc != base1.fds_proc) {
+        std::printf("  --- node1's descriptors (%zu, %zu before)\n%s", now1.fds_proc, base1.fds_proc,
+                    fd_list(cl->pid(1)).c_str());
+      }
     }
     last = "node0 " + now0.text() + "; node1 " + now1.text();
   }

@@ -18,6 +18,8 @@
 #include "config/profile.h"
 #include "daemon/server.h"
 #include "engine/log.h"
+#include "ipc/error.h"
+#include "ipc/frame.h"
 
 namespace collectived::fuzz {
 namespace {
@@ -115,33 +117,19 @@ UniqueFd connect_tcp(std::uint16_t port) {
 }
 
 bool send_all(int fd, std::span<const std::byte> bytes, std::span<const int> fds) {
-  std::size_t sent = 0;
-  bool first = true;
-  while (sent < bytes.size()) {
-    iovec iov{const_cast<std::byte*>(bytes.data() + sent), bytes.size() - sent};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 16)];
-    if (first && !fds.empty() && fds.size() <= 16) {
-      msg.msg_control = control;
-      msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
-      cmsghdr* c = CMSG_FIRSTHDR(&msg);
-      c->cmsg_level = SOL_SOCKET;
-      c->cmsg_type = SCM_RIGHTS;
-      c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-      std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
-    }
-    const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EPIPE || errno == ECONNRESET) return false;
-      die("sendmsg");
-    }
-    first = false;
-    sent += static_cast<std::size_t>(n);
+  // The daemon's own sender (descriptors with the first byte, EINTR and
+  // partial writes handled). It refuses more than kMaxFdsPerFrame descriptors:
+  // the rest are not sent; a header that announces more is still refused by
+  // the daemon from the header alone.
+  if (fds.size() > ipc::kMaxFdsPerFrame) fds = fds.first(ipc::kMaxFdsPerFrame);
+  try {
+    ipc::send_frame(fd, bytes, fds, std::chrono::steady_clock::now() + std::chrono::seconds(30));
+    return true;
+  } catch (const Error& e) {
+    if (e.code() == Code::unavailable) return false;  // the daemon closed the connection
+    std::fprintf(stderr, "fuzz harness: sending to the in-process daemon: %s\n", e.what());
+    std::abort();
   }
-  return true;
 }
 
 void drain_until_closed(int fd, int seconds) {
