@@ -54,12 +54,12 @@ class Fiber {
   bool started_ = false;
   bool finished_ = false;
   std::exception_ptr error_;
-  // Sanitizer bookkeeping (see fiber.cc).
-  void* fake_stack_ = nullptr;
-  const void* caller_stack_bottom_ = nullptr;
-  std::size_t caller_stack_size_ = 0;
-  void* tsan_fiber_ = nullptr;
-  void* tsan_caller_ = nullptr;
+  // Sanitizer bookkeeping (see fiber.cc); unused in builds without them.
+  [[maybe_unused]] void* fake_stack_ = nullptr;
+  [[maybe_unused]] const void* caller_stack_bottom_ = nullptr;
+  [[maybe_unused]] std::size_t caller_stack_size_ = 0;
+  [[maybe_unused]] void* tsan_fiber_ = nullptr;
+  [[maybe_unused]] void* tsan_caller_ = nullptr;
 };
 
 }  // namespace collectived::engine
