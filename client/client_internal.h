@@ -62,7 +62,19 @@ class GpuSubmit {
   virtual void sent() = 0;
   /// What releases the caller's stream if the daemon refuses the operation.
   virtual std::function<void()> on_failure() = 0;
+  /// A send/recv group: registers (or finds) `bufs[i]` (pointer, bytes; 0
+  /// bytes: none) and sets item i's buffer, then the group's stream hand-off.
+  virtual void fill_group(wire::P2PGroup::Builder g,
+                          const std::vector<std::pair<const void*, std::uint64_t>>& bufs) = 0;
 };
+
+/// client/comm.cc: ends the open group of `comm` as a stream-ordered group
+/// on GPU buffers. `request` may be null; `gpu` null: only closes the group.
+collective_result_t submit_gpu_group(collective_comm_t* comm, collective_request_t** request,
+                                     GpuSubmit* gpu);
+/// client/gpu.cc: `ptr` is device memory the CUDA driver knows (false when
+/// there is no driver).
+bool is_gpu_pointer(collective_client_t* client, const void* ptr);
 
 /// client/comm.cc's submission path, for the stream-ordered calls. `request`
 /// may be null (fire and forget).

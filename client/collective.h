@@ -330,6 +330,18 @@ COLLECTIVE_API collective_result_t collective_all_to_all_stream(
     collective_comm_t* comm, const void* send, void* recv, size_t count, collective_dtype_t dtype,
     void* stream, collective_request_t** request);
 
+/** Ends the open group (collective_group_start, collective_send/recv) as a
+ *  stream-ordered group on GPU buffers: every item's buffer is GPU memory (or
+ *  has count 0). The sends read and the receives write after the work queued
+ *  before on `stream`; work queued after waits for all of them. Inside a node
+ *  the daemon copies over the GPUs' peer mappings (NVLink); across nodes
+ *  through pinned host staging. Both sides of a send/recv inside one node
+ *  must use the same kind of memory; across nodes a GPU group may pair with
+ *  a host group (collective_group_end). */
+COLLECTIVE_API collective_result_t collective_group_end_stream(collective_comm_t* comm,
+                                                              void* stream,
+                                                              collective_request_t** request);
+
 /** The daemon's GPUs and CUDA MPS mode. */
 typedef struct collective_gpu_status {
   int available;           /**< 1: the daemon runs GPU collectives */

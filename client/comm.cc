@@ -45,6 +45,8 @@ struct collective_comm {
     std::uint32_t peer;
     std::uint64_t handle, offset, count;
     std::uint8_t dtype;
+    const void* gpu = nullptr;  // GPU memory: located at collective_group_end_stream
+    std::uint64_t bytes = 0;
   };
   std::vector<Item> items;
 
@@ -167,6 +169,58 @@ collective_result_t submit_gpu_collective(collective_comm_t* comm, wire::OpKind 
   }
   return submit(comm, kind, send, send_bytes, recv, recv_bytes, count, dtype, redop, root, name,
                 request, &gpu);
+}
+
+collective_result_t submit_gpu_group(collective_comm_t* comm, collective_request_t** request,
+                                     GpuSubmit* gpu) {
+  const char* name = "collective_group_end_stream";
+  if (comm == nullptr) return fail(Code::invalid_argument, std::string(name) + ": comm must be set");
+  if (request != nullptr) *request = nullptr;
+  std::vector<collective_comm::Item> items;
+  {
+    std::lock_guard lock(comm->group_mutex);
+    if (!comm->in_group) {
+      return fail(Code::invalid_usage, std::string(name) + " on " + comm->where() + ": no group is open");
+    }
+    comm->in_group = false;
+    items.swap(comm->items);
+  }
+  if (gpu == nullptr) return COLLECTIVE_OK;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    if (items[i].gpu == nullptr && items[i].bytes > 0) {
+      return fail(Code::invalid_argument,
+                  std::string(name) + " on " + comm->where() + ": item " + std::to_string(i) +
+                      " is host memory; a stream-ordered group takes GPU buffers only");
+    }
+  }
+  return guarded(name, [&] {
+    capnp::MallocMessageBuilder b;
+    auto g = b.initRoot<wire::Message>().initP2pGroup();
+    g.setComm(comm->handle);
+    auto list = g.initItems(static_cast<unsigned>(items.size()));
+    std::vector<std::pair<const void*, std::uint64_t>> bufs;
+    for (unsigned i = 0; i < items.size(); ++i) {
+      list[i].setIsSend(items[i].is_send);
+      list[i].setPeer(items[i].peer);
+      list[i].setCount(items[i].count);
+      list[i].setDtype(items[i].dtype);
+      bufs.emplace_back(items[i].gpu, items[i].gpu ? items[i].bytes : 0);
+    }
+    try {
+      gpu->fill_group(g, bufs);
+    } catch (const Error& e) {
+      throw Error(e.code(), "on " + comm->where() + ": " + e.what());
+    }
+    Connection& conn = *comm->client->conn;
+    const std::uint64_t id = conn.send_request(b, {}, Clock::now() + kControlTimeout);
+    gpu->sent();
+    if (request == nullptr) {
+      conn.abandon(id);
+      return;
+    }
+    *request = new_request(comm, id, "send/recv group on " + comm->where());
+    (*request)->on_failure = gpu->on_failure();
+  });
 }
 
 collective_client_t* comm_client(collective_comm_t* comm) { return comm->client; }
@@ -439,9 +493,18 @@ static collective_result_t add_p2p(collective_comm_t* comm, bool is_send, const 
   return guarded(name, [&] {
     const std::uint64_t bytes = count * collective_dtype_size(dtype);
     std::uint64_t handle = 0, offset = 0;
-    if (bytes > 0) std::tie(handle, offset) = comm->client->locate(buf, bytes, is_send ? "send" : "recv");
+    const void* gpu = nullptr;
+    if (bytes > 0) {
+      try {
+        std::tie(handle, offset) = comm->client->locate(buf, bytes, is_send ? "send" : "recv");
+      } catch (const Error&) {
+        // GPU memory: registered when the group ends on a stream.
+        if (!is_gpu_pointer(comm->client, buf)) throw;
+        gpu = buf;
+      }
+    }
     comm->items.push_back({is_send, static_cast<std::uint32_t>(peer), handle, offset, count,
-                           static_cast<std::uint8_t>(dtype)});
+                           static_cast<std::uint8_t>(dtype), gpu, bytes});
   });
 }
 
@@ -469,6 +532,13 @@ collective_result_t collective_group_end(collective_comm_t* comm, collective_req
     }
     comm->in_group = false;
     items.swap(comm->items);
+  }
+  for (const auto& item : items) {
+    if (item.gpu != nullptr) {
+      return fail(Code::invalid_usage, "collective_group_end on " + comm->where() +
+                                           ": the group has GPU buffers: end it with "
+                                           "collective_group_end_stream");
+    }
   }
   return guarded("collective_group_end", [&] {
     capnp::MallocMessageBuilder b;

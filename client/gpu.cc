@@ -297,6 +297,36 @@ class StreamSubmit final : public GpuSubmit {
     c.getSend().setOffset(snd.offset);
     c.getRecv().setHandle(rcv.handle);
     c.getRecv().setOffset(rcv.offset);
+    fill_sync(c.initGpu(), snd.buffer_id, rcv.buffer_id);
+    ctx_ = ctx;
+  }
+
+  void fill_group(wire::P2PGroup::Builder g,
+                  const std::vector<std::pair<const void*, std::uint64_t>>& bufs) override {
+    GpuState& s = *s_;
+    const CudaDriver& cu = *s.cu;
+    lock_ = std::unique_lock(client_->gpu_mutex);
+    cu::Context ctx = nullptr;
+    cu.check(cu.cuStreamGetCtx(stream_, &ctx), "cuStreamGetCtx of the caller's stream");
+    ScopedContext scope(cu, ctx);
+    auto items = g.getItems();
+    for (unsigned i = 0; i < bufs.size(); ++i) {
+      if (bufs[i].second == 0) continue;
+      const Located at = locate_gpu(client_, s, bufs[i].first, bufs[i].second,
+                                    items[i].getIsSend() ? "send" : "recv");
+      items[i].getBuffer().setHandle(at.handle);
+      items[i].getBuffer().setOffset(at.offset);
+      items[i].setBufferId(at.buffer_id);
+    }
+    fill_sync(g.initGpu(), 0, 0);
+    ctx_ = ctx;
+  }
+
+  /// Takes a flag word and ticket, marks the input ready on the caller's
+  /// stream (the context is current, gpu_mutex held).
+  void fill_sync(wire::GpuSync::Builder g, std::uint64_t send_id, std::uint64_t recv_id) {
+    GpuState& s = *s_;
+    const CudaDriver& cu = *s.cu;
     // A flag word whose previous operation is done (4096 in flight at most).
     word_ = static_cast<std::uint32_t>(s.next_word++ % kFlagWords);
     while (!s.reached(word_, s.tickets[word_])) sched_yield();
@@ -312,13 +342,11 @@ class StreamSubmit final : public GpuSubmit {
     cu.check(cu.cuStreamWriteValue32(stream_, s.flags_dev + 4 * (kFlagWords + word_), ticket_,
                                      cu::kStreamWriteValueDefault),
              "cuStreamWriteValue32 (marking the input ready)");
-    auto g = c.initGpu();
     g.setFlagWord(word_);
     g.setReadyWord(kFlagWords + word_);
     g.setTicket(ticket_);
-    g.setSendBufferId(snd.buffer_id);
-    g.setRecvBufferId(rcv.buffer_id);
-    ctx_ = ctx;
+    g.setSendBufferId(send_id);
+    g.setRecvBufferId(recv_id);
   }
 
   void sent() override {
@@ -356,6 +384,22 @@ collective_result_t stream_op(collective_comm_t* comm, wire::OpKind kind, const 
   return submit_gpu_collective(comm, kind, send, send_bytes, recv, recv_bytes, count, dtype, redop,
                                root, name, request, submit);
 }
+
+}  // namespace
+
+bool is_gpu_pointer(collective_client_t* client, const void* ptr) {
+  try {
+    auto s = gpu_state(client);
+    unsigned type = 0;
+    return s->cu->cuPointerGetAttribute(&type, cu::kPointerAttributeMemoryType,
+                                        reinterpret_cast<cu::DevicePtr>(ptr)) == cu::kSuccess &&
+           type == cu::kMemoryTypeDevice;
+  } catch (const Error&) {
+    return false;  // no driver, no GPU
+  }
+}
+
+namespace {
 
 std::uint64_t elems(size_t count, collective_dtype_t dtype) {
   return count * collective_dtype_size(dtype);
@@ -403,6 +447,21 @@ collective_result_t collective_gpu_deregister(collective_client_t* client, const
     }
     deregister_handle(client, handle);
   });
+}
+
+collective_result_t collective_group_end_stream(collective_comm_t* comm, void* stream,
+                                                collective_request_t** request) {
+  const char* name = "collective_group_end_stream";
+  if (comm == nullptr) return fail(Code::invalid_argument, std::string(name) + ": comm must be set");
+  std::shared_ptr<GpuState> s;
+  const collective_result_t r = guarded(name, [&] { s = gpu_state(comm_client(comm)); });
+  if (r != COLLECTIVE_OK) {
+    // The group is closed either way (as collective_group_end does on failure).
+    submit_gpu_group(comm, nullptr, nullptr);
+    return r;
+  }
+  StreamSubmit submit(comm_client(comm), s, static_cast<cu::Stream>(stream));
+  return submit_gpu_group(comm, request, &submit);
 }
 
 collective_result_t collective_all_reduce_stream(collective_comm_t* comm, const void* send,

@@ -626,6 +626,10 @@ constexpr std::array kSchema{
     Key{"gpu.mps",
         [](N n, Profile& p, C c) { p.gpu.mps = as_enum<std::string_view>(n, c, kMpsModes); },
         [](E e, P p) { e << p.gpu.mps; }, "CUDA MPS: managed, external or off"},
+    Key{"gpu.stage_chunk_bytes",
+        [](N n, Profile& p, C c) { p.gpu.stage_chunk_bytes = as_size(n, c, 0, 16 * GiB); },
+        [](E e, P p) { e << p.gpu.stage_chunk_bytes; },
+        "cut collectives across nodes into chunks of this size; 0 = never"},
 
     Key{"log.level",
         [](N n, Profile& p, C c) { p.log.level = as_enum<LogLevel>(n, c, kLogLevels); },

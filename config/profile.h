@@ -118,6 +118,10 @@ struct LogSection {
 
 struct GpuSection {
   std::string mps = "off";  ///< managed | external | off (engine/gpu/mps.h)
+  /// Collectives across nodes above this many bytes per rank are cut into
+  /// chunks of it (GPU ranks: pipelined staging); 0 = never cut. Every
+  /// daemon of a cluster must use the same value.
+  std::uint64_t stage_chunk_bytes = 0;
 };
 
 struct MetricsSection {

@@ -301,10 +301,10 @@ void ClientSession::handle_collective(std::uint64_t id, wire::Collective::Reader
   a.root = req.getRoot();
   a.send = {req.getSend().getHandle(), req.getSend().getOffset()};
   a.recv = {req.getRecv().getHandle(), req.getRecv().getOffset()};
-  if (req.hasGpu()) {
-    if (submit_gpu_chunked(id, req, from_worker)) return;
-    a.gpu = gpu_sync(req.getGpu());
-  }
+  // Across nodes, above the profile's gpu.stage_chunk_bytes: cut in chunks
+  // (host and GPU ranks alike; daemon/session_gpu.cc).
+  if (submit_chunked(id, req, from_worker)) return;
+  if (req.hasGpu()) a.gpu = gpu_sync(req.getGpu());
   host_.engine().collective(client_ref(from_worker), id, req.getComm(), a);
 }
 
@@ -320,9 +320,12 @@ void ClientSession::handle_p2p(std::uint64_t id, wire::P2PGroup::Reader req, boo
     a.buffer = {it.getBuffer().getHandle(), it.getBuffer().getOffset()};
     a.count = it.getCount();
     a.dtype = it.getDtype();
+    a.buffer_id = it.getBufferId();
     items.push_back(a);
   }
-  host_.engine().p2p_group(client_ref(from_worker), id, req.getComm(), items);
+  std::shared_ptr<engine::gpu::RankSync> gpu;
+  if (req.hasGpu()) gpu = gpu_sync(req.getGpu());  // daemon/session_gpu.cc
+  host_.engine().p2p_group(client_ref(from_worker), id, req.getComm(), items, std::move(gpu));
 }
 
 void ClientSession::start() {

@@ -118,10 +118,11 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
                            std::vector<UniqueFd>& fds);
   void handle_attach_gpu(std::uint64_t id, wire::AttachGpu::Reader req, std::vector<UniqueFd>& fds);
   std::shared_ptr<engine::gpu::RankSync> gpu_sync(wire::GpuSync::Reader req);
-  /// A GPU collective across nodes larger than the executor's stage chunk:
-  /// submitted as consecutive chunk operations, answered once (session_gpu.cc).
-  /// False when it is not cut (the caller submits it whole).
-  bool submit_gpu_chunked(std::uint64_t id, wire::Collective::Reader req, bool from_worker);
+  /// An all-reduce, broadcast or reduce across nodes larger than the profile's
+  /// gpu.stage_chunk_bytes, on host or GPU buffers alike (every rank cuts it
+  /// the same way): submitted as consecutive chunk operations, answered once
+  /// (session_gpu.cc). False when it is not cut (the caller submits it whole).
+  bool submit_chunked(std::uint64_t id, wire::Collective::Reader req, bool from_worker);
   /// `from_worker`: the request is handled on a daemon worker thread (the
   /// ring poller), which may run small operations itself.
   engine::ClientRef client_ref(bool from_worker = false);

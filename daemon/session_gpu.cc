@@ -113,22 +113,26 @@ std::shared_ptr<engine::gpu::RankSync> ClientSession::gpu_sync(wire::GpuSync::Re
   return host_.gpu().make_sync(id_, sync_args(req));
 }
 
-bool ClientSession::submit_gpu_chunked(std::uint64_t id, wire::Collective::Reader req,
-                                       bool from_worker) {
+bool ClientSession::submit_chunked(std::uint64_t id, wire::Collective::Reader req,
+                                   bool from_worker) {
   using engine::OpKind;
   auto& gpu = host_.gpu();
   const std::uint64_t chunk_bytes = gpu.stage_chunk_bytes();
   if (chunk_bytes == 0) return false;
+  // Every rank of an operation must cut it the same way, whatever memory its
+  // buffers are in: a communicator may pair host-buffer ranks on one node with
+  // GPU ranks on another. Only the operations whose chunks are contiguous
+  // pieces of every rank's buffers are cut (host ranks then run them as
+  // ordinary host operations on offsets); all-gather, reduce-scatter and
+  // all-to-all are never cut (a host rank cannot run their strided chunks).
   OpKind kind;
   switch (req.getKind()) {
     case wire::OpKind::ALL_REDUCE: kind = OpKind::all_reduce; break;
-    case wire::OpKind::ALL_GATHER: kind = OpKind::all_gather; break;
-    case wire::OpKind::REDUCE_SCATTER: kind = OpKind::reduce_scatter; break;
     case wire::OpKind::BROADCAST: kind = OpKind::broadcast; break;
     case wire::OpKind::REDUCE: kind = OpKind::reduce; break;
-    case wire::OpKind::ALL_TO_ALL: kind = OpKind::all_to_all; break;
     default: return false;
   }
+  const bool on_gpu = req.hasGpu();
   // Whatever is wrong with the request, the engine says it for the whole
   // operation: anything unusual is not cut.
   const auto dtype = engine::dtype_from_int(req.getDtype());
@@ -155,6 +159,34 @@ bool ClientSession::submit_gpu_chunked(std::uint64_t id, wire::Collective::Reade
   }
   const engine::BufferArg sa{req.getSend().getHandle(), req.getSend().getOffset()};
   const engine::BufferArg ra{req.getRecv().getHandle(), req.getRecv().getOffset()};
+  if (!on_gpu) {
+    // Host buffers: K ordinary operations on pieces of the buffers (the
+    // engine checks each), answered once.
+    const std::uint64_t per = std::max<std::uint64_t>(64, chunk_bytes / es / 64 * 64);
+    const std::size_t chunks = static_cast<std::size_t>((count + per - 1) / per);
+    if (chunks < 2) return false;
+    host_.logger().debug("host_chunked", {{"session", id_},
+                                          {"comm", req.getComm()},
+                                          {"count", count},
+                                          {"chunks", chunks}});
+    auto answers = std::make_shared<ChunkAnswers>(sink_, chunks);
+    engine::ClientRef ref = client_ref(from_worker);
+    ref.sink = answers;
+    for (std::uint64_t at = 0; at < count; at += per) {
+      engine::CollectiveArgs a;
+      a.kind = kind;
+      a.dtype = req.getDtype();
+      a.redop = req.getRedop();
+      a.count = std::min(per, count - at);
+      a.root = root;
+      a.send = sa;
+      a.recv = ra;
+      if (send_bytes != 0) a.send.offset += at * es;
+      if (recv_bytes != 0) a.recv.offset += at * es;
+      host_.engine().collective(ref, id, req.getComm(), a);
+    }
+    return true;
+  }
   engine::gpu::ChunkedArgs c;
   try {
     auto span = [&](const engine::BufferArg& b, std::uint64_t bytes) -> engine::Span {

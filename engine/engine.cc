@@ -190,7 +190,7 @@ void Engine::collective(const ClientRef& client, std::uint64_t request, std::uin
 }
 
 void Engine::p2p_group(const ClientRef& client, std::uint64_t request, std::uint64_t handle,
-                       const std::vector<P2PArgs>& items) {
+                       const std::vector<P2PArgs>& items, std::shared_ptr<gpu::RankSync> gpu) {
   Impl& I = *impl_;
   I.locked([&](std::vector<Delivery>& out, std::vector<std::function<void()>>& tasks) {
     auto [cp, rank_] = I.resolve_or_answer(client, request, handle, "send/recv group", out);
@@ -228,22 +228,40 @@ void Engine::p2p_group(const ClientRef& client, std::uint64_t request, std::uint
         }
         item.span = I.resolve_span(client, a.buffer, a.count * dtype_size(item.dtype),
                                    a.is_send ? "send" : "recv");
-        if (item.span.reg && item.span.reg->device) {
-          // The daemon's CPU copies send/recv data: GPU memory there would be
-          // a device address it cannot touch.
+        const char* which = a.is_send ? "send" : "recv";
+        if (!gpu && item.span.reg && item.span.reg->device) {
+          // The daemon's CPU copies host send/recv data: GPU memory there
+          // would be a device address it cannot touch.
           throw Error(Code::invalid_argument,
-                      "item " + std::to_string(i) + ": " + (a.is_send ? "send" : "recv") +
-                          " buffer is GPU memory: send/recv on GPU buffers is not supported yet");
+                      "item " + std::to_string(i) + ": " + which +
+                          " buffer is GPU memory: end the group with collective_group_end_stream");
+        }
+        if (gpu && item.span.reg && !item.span.reg->device) {
+          throw Error(Code::invalid_argument,
+                      "item " + std::to_string(i) + ": " + which +
+                          " buffer is host memory, but the group is on GPU buffers (one group "
+                          "takes one kind of memory)");
+        }
+        if (gpu && item.span.reg && a.buffer_id != 0 &&
+            a.buffer_id != item.span.reg->device->buffer_id()) {
+          throw Error(Code::invalid_argument,
+                      "item " + std::to_string(i) + ": " + which + " buffer: stale registration " +
+                          std::to_string(item.span.reg->handle) + ": it was made for buffer id " +
+                          std::to_string(item.span.reg->device->buffer_id()) +
+                          ", but the memory there is now buffer id " + std::to_string(a.buffer_id) +
+                          " (freed and reallocated); register it again");
         }
         g->items.push_back(std::move(item));
       }
     } catch (const Error& e) {
       return fail(e.code(), e.what());
     }
+    if (gpu && I.gpu == nullptr) return fail(Code::unavailable, "this daemon has no GPU executor");
     if (g->items.empty()) {
       out.push_back({client.sink, request, Result{}});
-      return;
+      return;  // a GPU group's stream is released as `gpu` goes
     }
+    g->gpu_sync = std::move(gpu);
     // Indices pair the k-th send from a to b with the k-th receive at b from a.
     for (auto& item : g->items) {
       auto& counter = item.is_send ? comm.sends[{rank, item.peer}] : comm.recvs[{item.peer, rank}];

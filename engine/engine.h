@@ -116,8 +116,12 @@ class Engine {
 
   void collective(const ClientRef& client, std::uint64_t request, std::uint64_t comm,
                   const CollectiveArgs& args);
+  /// `gpu` set: a stream-ordered group on GPU buffers (every item's buffer is
+  /// a GPU registration): inside the node the executor copies between the
+  /// ranks' mappings; across nodes the data goes through pinned host staging.
   void p2p_group(const ClientRef& client, std::uint64_t request, std::uint64_t comm,
-                 const std::vector<P2PArgs>& items);
+                 const std::vector<P2PArgs>& items,
+                 std::shared_ptr<gpu::RankSync> gpu = nullptr);
 
   /// A client session ended (disconnect, crash, kill): its ranks are dead.
   void client_gone(std::uint64_t session);

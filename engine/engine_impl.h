@@ -103,6 +103,11 @@ struct P2PItem {
   DType dtype = DType::uint8;
   std::uint64_t index = 0;  // k-th send/recv between this pair of ranks
   bool started = false;
+  // GPU groups, peer on another node: the item runs on pinned host staging
+  // (the executor's copies); `span` is the staging once `staged`.
+  std::shared_ptr<gpu::GpuStage> gpu_stage;
+  bool staging = false;
+  bool staged = false;
 };
 
 struct Group {
@@ -116,6 +121,9 @@ struct Group {
   bool answered = false;
   Clock::time_point deadline;
   Clock::time_point created;  // submission (status, metrics)
+  /// A stream-ordered group on GPU buffers: the client's stream is released
+  /// (from the CPU) when the last holder drops it, after every item's GPU work.
+  std::shared_ptr<gpu::RankSync> gpu_sync;
 };
 
 struct Work {
@@ -467,6 +475,18 @@ struct Engine::Impl {
                          g.seq)});
     remove_work(comm.members[g.rank],
                 [&](const Work& w) { return w.type == Work::Type::group && w.group.get() == &g; });
+    drop_gpu(g);
+  }
+
+  /// A GPU group is answered: its stream goes once the GPU work still holding
+  /// its hand-off (copies in flight, staging being sent) lets go.
+  static void drop_gpu(Group& g) {
+    if (!g.gpu_sync) return;
+    g.gpu_sync.reset();
+    for (auto& item : g.items) {
+      item.gpu_stage.reset();
+      if (item.staged || item.staging) item.span = {};
+    }
   }
 
   using SlotIt = std::map<std::uint64_t, Slot>::iterator;
@@ -657,9 +677,17 @@ struct Engine::Impl {
         if (comm.broken) break;
         if (m.queue.empty() || m.queue.front().type != Work::Type::group) continue;
         auto g = m.queue.front().group;
-        for (auto& item : g->items) {
+        for (std::size_t k = 0; k < g->items.size(); ++k) {
+          auto& item = g->items[k];
           if (item.started) continue;
           if (comm.members[item.peer].remote) {
+            if (g->gpu_sync && !item.staged) {
+              // Through pinned host staging: the engine's node send/recv
+              // runs once the executor has the item's data on the host.
+              if (!item.staging) stage_gpu_item(cp, g, k, out);
+              if (g->failed) break;
+              continue;
+            }
             start_remote_item(cp, g, item, out, tasks);
             continue;
           }
@@ -684,8 +712,25 @@ struct Engine::Impl {
             changed = true;
             break;
           }
+          if (static_cast<bool>(g->gpu_sync) != static_cast<bool>(h->gpu_sync)) {
+            const std::string why =
+                "mismatched send/recv: rank " + std::to_string(m.rank) + " sends " +
+                (g->gpu_sync ? "GPU" : "host") + " memory to rank " + std::to_string(item.peer) +
+                ", which receives into " + (h->gpu_sync ? "GPU" : "host") +
+                " memory: inside a node both sides of a send/recv take the same kind";
+            fail_group(comm, *g, Code::mismatch, why, out);
+            if (h != g) fail_group(comm, *h, Code::mismatch, why, out);
+            changed = true;
+            break;
+          }
           item.started = true;
           match->started = true;
+          if (g->gpu_sync) {
+            start_gpu_pair(cp, g, h, item, *match, out);
+            changed = true;
+            if (g->failed || h->failed) break;
+            continue;
+          }
           start_pair(cp, g, h, item.span, match->span, tasks);
         }
       }
@@ -899,11 +944,138 @@ struct Engine::Impl {
     g.answered = true;
     Result res;
     res.seq = g.seq;
-    out.push_back({g.sink, g.request, std::move(res)});
     ++completed;
     observe_group(comm, g, Code::ok);
     remove_work(comm.members[g.rank],
                 [&](const Work& w) { return w.type == Work::Type::group && w.group.get() == &g; });
+    // GPU group: receives from other nodes are copied back from their staging
+    // before the answer goes (the stream is released after them).
+    std::vector<std::shared_ptr<gpu::GpuStage>> back;
+    for (auto& item : g.items) {
+      if (item.staged && !item.is_send && item.gpu_stage) back.push_back(item.gpu_stage);
+    }
+    if (back.empty()) {
+      out.push_back({g.sink, g.request, std::move(res)});
+      drop_gpu(g);
+      return;
+    }
+    auto answers = std::make_shared<std::vector<Delivery>>();
+    answers->push_back({g.sink, g.request, std::move(res)});
+    struct Left {
+      std::mutex mu;
+      std::size_t n;
+      Code code = Code::ok;
+      std::string why;
+    };
+    auto left = std::make_shared<Left>();
+    left->n = back.size();
+    const std::uint64_t seq = g.seq;
+    drop_gpu(g);  // the stages below hold the hand-off until their copies are done
+    answer_when_done(answers, seq, out, [&](auto done) {
+      for (auto& st : back) {
+        gpu->stage_out(st, [left, done](Code code, std::string why) {
+          std::unique_lock lock(left->mu);
+          if (code != Code::ok && left->code == Code::ok) {
+            left->code = code;
+            left->why = std::move(why);
+          }
+          if (--left->n != 0) return;
+          lock.unlock();
+          done(left->code, left->why);
+        });
+      }
+    });
+  }
+
+  /// A send/recv pair inside the node on GPU buffers: the executor copies
+  /// the sender's buffer into the receiver's over the peer mapping, after
+  /// both ranks' inputs are ready on their streams.
+  void start_gpu_pair(const std::shared_ptr<Comm>& cp, const std::shared_ptr<Group>& sender,
+                      const std::shared_ptr<Group>& receiver, P2PItem& send, P2PItem& recv,
+                      std::vector<Delivery>& out) {
+    Comm& comm = *cp;
+    gpu::GpuCollective op;
+    op.comm = comm.name;
+    op.seq = sender->seq;
+    op.kind = OpKind::p2p;
+    op.dtype = DType::uint8;
+    op.count = send.span.bytes;
+    op.send = {send.span, Span{}};
+    op.recv = {Span{}, recv.span};
+    op.sync = {sender->gpu_sync, receiver->gpu_sync};
+    op.who = {comm.who(sender->rank), comm.who(receiver->rank)};
+    op.deadline = std::min(sender->deadline, receiver->deadline);
+    op.hold = true;
+    std::weak_ptr<Comm> weak = cp;
+    try {
+      gpu->run(std::move(op), [this, weak, sender, receiver](Code code, std::string why) {
+        auto live = weak.lock();
+        if (!live) return;
+        locked([&](std::vector<Delivery>& out2, std::vector<std::function<void()>>& tasks2) {
+          if (code != Code::ok) {
+            const std::string reason = "send from rank " + std::to_string(sender->rank) +
+                                       " to rank " + std::to_string(receiver->rank) +
+                                       " on GPU buffers failed: " + why;
+            fail_group(*live, *sender, code, reason, out2);
+            if (receiver != sender) fail_group(*live, *receiver, code, reason, out2);
+          } else {
+            item_done(*live, *sender, out2);
+            item_done(*live, *receiver, out2);
+          }
+          progress(live, out2, tasks2);
+        });
+      });
+    } catch (const Error& e) {
+      fail_group(comm, *sender, e.code(), e.what(), out);
+      if (receiver != sender) fail_group(comm, *receiver, e.code(), e.what(), out);
+    }
+  }
+
+  /// A GPU group's item with a peer on another node: the executor waits for
+  /// the rank's stream and copies a send's data to pinned host staging (a
+  /// receive gets staging of its size); then the item runs as a host one.
+  void stage_gpu_item(const std::shared_ptr<Comm>& cp, const std::shared_ptr<Group>& g,
+                      std::size_t k, std::vector<Delivery>& out) {
+    Comm& comm = *cp;
+    P2PItem& item = g->items[k];
+    item.staging = true;
+    gpu::GpuCollective op;
+    op.comm = comm.name;
+    op.seq = g->seq;
+    op.kind = OpKind::p2p;
+    op.dtype = DType::uint8;
+    op.count = item.span.bytes;
+    op.send = {item.is_send ? item.span : Span{}};
+    op.recv = {item.is_send ? Span{} : item.span};
+    op.sync = {g->gpu_sync};
+    op.who = {comm.who(g->rank)};
+    op.deadline = g->deadline;
+    op.hold = true;
+    std::weak_ptr<Comm> weak = cp;
+    try {
+      item.gpu_stage = gpu->stage_in(std::move(op), [this, weak, g, k](Code code, std::string why) {
+        auto live = weak.lock();
+        if (!live) return;
+        locked([&](std::vector<Delivery>& out2, std::vector<std::function<void()>>& tasks2) {
+          if (g->failed || g->answered) return;
+          P2PItem& it = g->items[k];
+          if (code != Code::ok || !it.gpu_stage) {
+            fail_group(*live, *g, code == Code::ok ? Code::internal : code,
+                       (it.is_send ? "send to rank " : "recv from rank ") +
+                           std::to_string(it.peer) + " on GPU buffers: " + why,
+                       out2);
+          } else {
+            const auto& st = it.gpu_stage;
+            const Span& h = it.is_send ? st->send[0] : st->recv[0];
+            it.span = Span{std::shared_ptr<Registration>(st, &st->host), h.ptr, h.bytes};
+            it.staged = true;
+          }
+          progress(live, out2, tasks2);
+        });
+      });
+    } catch (const Error& e) {
+      fail_group(comm, *g, e.code(), e.what(), out);
+    }
   }
 
   void do_split(const std::shared_ptr<Comm>& cp, Slot& slot, std::vector<Delivery>& out) {

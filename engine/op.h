@@ -62,6 +62,9 @@ struct P2PArgs {
   BufferArg buffer;
   std::uint64_t count = 0;
   std::uint32_t dtype = 0;
+  /// GPU groups: the client's buffer id of the item's allocation now (0: not
+  /// checked); a registration made for freed and reallocated memory is refused.
+  std::uint64_t buffer_id = 0;
 };
 
 /// A validated, mapped byte range of a registration; holds the mapping alive.

@@ -220,12 +220,14 @@ struct P2PItem {
   buffer @2 :BufferRef;
   count @3 :UInt64;
   dtype @4 :UInt8;
+  bufferId @5 :UInt64;      # GPU groups: the allocation's buffer id now (stale check)
 }
 
 # Grouped sends and receives, completed together.
 struct P2PGroup {
   comm @0 :UInt64;
   items @1 :List(P2PItem);
+  gpu @2 :GpuSync;          # set: stream-ordered, on GPU buffers (collective_group_end_stream)
 }
 
 struct Completed {

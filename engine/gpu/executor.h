@@ -79,6 +79,11 @@ struct GpuCollective {
   /// naming the ranks whose input is not ready, releases the ranks' streams
   /// from the CPU, and never waits on the GPU from the engine's threads.
   Clock::time_point deadline = Clock::time_point::max();
+  /// Leave the ranks' done words alone: a send/recv group's stream is
+  /// released once, from the CPU, when the last holder of its RankSync drops
+  /// it (after every item's GPU work). Used with kind p2p: run() copies
+  /// send[0] to recv[1]; stage_in/stage_out stage one item of one rank.
+  bool hold = false;
 };
 
 /// Host staging of one GPU collective on a communicator spanning nodes: pinned
@@ -167,8 +172,8 @@ class GpuExecutor {
                                                               const GpuSyncArgs& args,
                                                               ChunkedArgs chunked) = 0;
   /// Bytes of one rank's count per chunk for operations across nodes (0: not
-  /// cut; default 4 MiB). Every daemon of a cluster must use the same value
-  /// (COLLECTIVED_GPU_STAGE_CHUNK_BYTES).
+  /// cut): the profile's gpu.stage_chunk_bytes. Every daemon of a cluster must
+  /// use the same value.
   virtual std::uint64_t stage_chunk_bytes() const = 0;
 
   /// Across nodes, step 2: the host collective filled stage->recv; enqueues
@@ -183,6 +188,7 @@ class GpuExecutor {
 /// an executor that says the daemon was built without it.
 struct GpuOptions {
   std::string mps = "off";  ///< profile gpu.mps: managed | external | off
+  std::uint64_t stage_chunk_bytes = 0;  ///< profile gpu.stage_chunk_bytes (0: never cut)
 };
 std::unique_ptr<GpuExecutor> make_gpu_executor(Logger& log, const GpuOptions& options);
 

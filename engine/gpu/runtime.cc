@@ -406,7 +406,8 @@ class Stage final : public GpuStage {
 
 class CudaExecutor final : public GpuExecutor {
  public:
-  CudaExecutor(Logger& log, const GpuOptions& options) : log_(log) {
+  CudaExecutor(Logger& log, const GpuOptions& options)
+      : log_(log), stage_chunk_bytes_(options.stage_chunk_bytes) {
     // Every kernel loaded when the context is made. With lazy loading (the
     // default since CUDA 12.2) the first launch of each kernel loads it, and
     // loading may synchronize the context: a launch enqueued behind a stream
@@ -633,7 +634,8 @@ class CudaExecutor final : public GpuExecutor {
     const bool sharded = op.kind == OpKind::all_gather || op.kind == OpKind::reduce_scatter ||
                          op.kind == OpKind::all_to_all;
     const std::uint64_t limit = one_shot_env_ ? one_shot_bytes_ : sharded ? (1u << 20) : (8u << 20);
-    const bool one_shot = devs.size() == 1 || bytes <= limit;
+    // A send/recv pair: one copy kernel on the sender's GPU (over NVLink).
+    const bool one_shot = devs.size() == 1 || bytes <= limit || op.kind == OpKind::p2p;
     const std::size_t slot = std::hash<std::string>{}(op.comm) % kStreamsPerDevice;
 
     Pending p;
@@ -713,7 +715,7 @@ class CudaExecutor final : public GpuExecutor {
       cudaSetDevice(lead);
       check_rt(cudaStreamWaitEvent(stream_of(lead), e, 0), "cudaStreamWaitEvent");
     }
-    for (int r = 0; r < n; ++r) {
+    for (int r = 0; r < n && !op.hold; ++r) {
       auto* s = static_cast<Sync*>(op.sync[r].get());
       const cu::DevicePtr word = s->flags->device + 4 * static_cast<cu::DevicePtr>(s->word);
       cu_->check(cu_->cuStreamWriteValue32(reinterpret_cast<cu::Stream>(stream_of(lead)),
@@ -876,6 +878,15 @@ class CudaExecutor final : public GpuExecutor {
         std::byte* dst = gr.reg->device->data_on(dev) + (gr.ptr - gr.reg->device->data());
         check_rt(cudaMemcpyAsync(dst, st->recv[r].ptr, gr.bytes, cudaMemcpyHostToDevice, stream),
                  "copy of " + op.who[r] + "'s output from host staging");
+      }
+      if (op.hold) {
+        // A send/recv group: its stream is released from the CPU once every
+        // item is done (the RankSync's last holder).
+        cudaEvent_t tail = take_event_locked(dev);
+        p.events.emplace_back(dev, tail);
+        check_rt(cudaEventRecord(tail, stream), "cudaEventRecord");
+        p.tails.emplace_back(dev, tail);
+        continue;
       }
       const cu::DevicePtr word = s->flags->device + 4 * static_cast<cu::DevicePtr>(s->word);
       cu_->check(cu_->cuStreamWriteValue32(reinterpret_cast<cu::Stream>(stream), word, s->ticket,
@@ -1253,6 +1264,12 @@ class CudaExecutor final : public GpuExecutor {
         }
         break;
       }
+      case OpKind::p2p:
+        // A matched send (rank 0's send) and receive (rank 1's recv).
+        if (n == 2 && one != 0 && send[0] != nullptr && recv[1] != nullptr && send[0] != recv[1]) {
+          pairs.emplace_back(send[0], recv[1]);
+        }
+        break;
       default:
         throw Error(Code::invalid_argument,
                     std::string(to_string(op.kind)) + " does not run on GPU buffers");
@@ -1443,8 +1460,8 @@ class CudaExecutor final : public GpuExecutor {
   // host memory overlap the exchange between nodes (0: never cut). Measured
   // on 2 H200 over TCP (docs/gpu.md, "Pipelined"): from faster in 13 of 16
   // cases to a wash, depending on the algorithms between nodes. Every daemon
-  // of a cluster must use the same value.
-  const std::uint64_t stage_chunk_bytes_ = env_bytes("COLLECTIVED_GPU_STAGE_CHUNK_BYTES", 0);
+  // of a cluster must use the same value (profile gpu.stage_chunk_bytes).
+  const std::uint64_t stage_chunk_bytes_;
   std::shared_ptr<CudaDriver> cu_;  // mappings hold it too: they may outlive the executor
   std::unique_ptr<MpsControl> mps_;
   mutable std::mutex mu_;

@@ -10,7 +10,10 @@ constexpr const char* kWhy =
 
 class NoGpu final : public GpuExecutor {
  public:
-  explicit NoGpu(const GpuOptions& o) { status_.reason = kWhy; status_.mps = o.mps; }
+  explicit NoGpu(const GpuOptions& o) : chunk_(o.stage_chunk_bytes) {
+    status_.reason = kWhy;
+    status_.mps = o.mps;
+  }
   GpuStatus status() const override { return status_; }
   std::shared_ptr<DeviceMemory> open(std::uint64_t, GpuRegisterArgs) override { fail(); }
   void attach_flags(std::uint64_t, UniqueFd, std::uint64_t) override { fail(); }
@@ -25,11 +28,13 @@ class NoGpu final : public GpuExecutor {
                                                       ChunkedArgs) override {
     fail();
   }
-  std::uint64_t stage_chunk_bytes() const override { return 0; }
+  // Host ranks cut operations across nodes like GPU ranks do (the session).
+  std::uint64_t stage_chunk_bytes() const override { return chunk_; }
 
  private:
   [[noreturn]] static void fail() { throw Error(Code::unavailable, kWhy); }
   GpuStatus status_;
+  std::uint64_t chunk_ = 0;
 };
 
 }  // namespace

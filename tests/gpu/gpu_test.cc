@@ -673,7 +673,7 @@ TEST_CASE("gpu: across nodes: two daemons joined by TCP, GPU buffers staged thro
 
 TEST_CASE("gpu: across nodes, pipelined: operations cut in chunks equal the whole operation, every layout") {
   // 4 KiB chunks: a 70001-element float64 operation is 137 chunk operations.
-  GpuCluster cl(2, {"log.level=debug"}, {{"COLLECTIVED_GPU_STAGE_CHUNK_BYTES", "4096"}});
+  GpuCluster cl(2, {"log.level=debug", "gpu.stage_chunk_bytes=4096"});
   const bool ok = with_ranks_on(cl.sockets(), std::min(g_gpus, 2), chunked_body, 600s);
   if (!ok) cl.dump_logs();
   for (const auto& node : cl.nodes) {
@@ -683,8 +683,9 @@ TEST_CASE("gpu: across nodes, pipelined: operations cut in chunks equal the whol
 
 /// Two daemons; rank 0's input is held back past the deadline: both ranks'
 /// requests fail (rank 0's naming it) and both streams are released.
-static void late_input_across_nodes(std::size_t count, std::map<std::string, std::string> env) {
-  GpuCluster cl(2, {"deadlines.operation_ms=4000"}, std::move(env));
+static void late_input_across_nodes(std::size_t count, std::vector<std::string> extra) {
+  extra.push_back("deadlines.operation_ms=4000");
+  GpuCluster cl(2, std::move(extra));
   const bool ok = with_ranks_on(cl.sockets(), std::min(g_gpus, 2), [count](GpuRank& g) {
     cu::DevicePtr buf = g.alloc(count * 4);
     void* page = nullptr;
@@ -721,7 +722,272 @@ TEST_CASE("gpu: across nodes: a rank whose input never becomes ready fails by it
 }
 
 TEST_CASE("gpu: across nodes, pipelined: a late input fails every chunk by the deadline, named") {
-  late_input_across_nodes(16384, {{"COLLECTIVED_GPU_STAGE_CHUNK_BYTES", "4096"}});  // 16 chunks
+  late_input_across_nodes(16384, {"gpu.stage_chunk_bytes=4096"});  // 16 chunks
+}
+
+// ---- send/recv on GPU buffers ------------------------------------------------
+
+/// Bytes rank `from` sends to rank `to` in exchange `k` (count elements of dtype d).
+std::vector<std::byte> p2p_data(engine::DType d, int from, int to, std::size_t count, std::uint64_t salt) {
+  return input(d, engine::RedOp::sum, from * 16 + to, count, salt);
+}
+
+/// One group on this rank: `host` true: host buffers (collective_host_alloc,
+/// collective_group_end); else GPU buffers (collective_group_end_stream).
+/// Sends `count` elements to every rank in `to` and receives from every rank
+/// in `from`; checks every received byte. Returns the number of wrong bytes.
+long p2p_group_case(GpuRank& g, bool host, engine::DType d, std::size_t count, const std::vector<int>& to,
+                    const std::vector<int>& from, std::uint64_t salt, std::string& first) {
+  const std::size_t es = engine::dtype_size(d), bytes = count * es;
+  const std::size_t alloc = bytes < 16 ? 16 : bytes;
+  const auto dt = static_cast<collective_dtype_t>(d);
+  std::vector<void*> sbufs, rbufs;
+  auto make = [&](const std::vector<std::byte>* data) -> void* {
+    if (host) {
+      void* p = nullptr;
+      if (collective_host_alloc(g.client, alloc, &p) != COLLECTIVE_OK) {
+        throw std::runtime_error(std::string("host_alloc: ") + collective_last_error());
+      }
+      if (data) std::memcpy(p, data->data(), data->size());
+      else std::memset(p, 0x5a, alloc);
+      return p;
+    }
+    cu::DevicePtr p = g.alloc(alloc);
+    std::vector<std::byte> poison(alloc, std::byte{0x5a});
+    g.ok(g.cu->cuMemcpyHtoD(p, data ? data->data() : poison.data(), data ? data->size() : alloc), "upload");
+    return reinterpret_cast<void*>(p);
+  };
+  for (int peer : to) {
+    auto data = p2p_data(d, g.rank, peer, count, salt);
+    sbufs.push_back(make(&data));
+  }
+  for (std::size_t i = 0; i < from.size(); ++i) rbufs.push_back(make(nullptr));
+  if (collective_group_start(g.comm) != COLLECTIVE_OK) throw std::runtime_error(collective_last_error());
+  for (std::size_t i = 0; i < to.size(); ++i) {
+    if (collective_send(g.comm, sbufs[i], count, dt, to[i]) != COLLECTIVE_OK) {
+      throw std::runtime_error(std::string("send: ") + collective_last_error());
+    }
+  }
+  for (std::size_t i = 0; i < from.size(); ++i) {
+    if (collective_recv(g.comm, rbufs[i], count, dt, from[i]) != COLLECTIVE_OK) {
+      throw std::runtime_error(std::string("recv: ") + collective_last_error());
+    }
+  }
+  collective_request_t* req = nullptr;
+  const auto rc = host ? collective_group_end(g.comm, &req) : collective_group_end_stream(g.comm, g.stream, &req);
+  if (rc != COLLECTIVE_OK) throw std::runtime_error(std::string("group_end: ") + collective_last_error());
+  if (!host) {
+    // Stream order: the received data is there once the stream gets past the group.
+    g.ok(g.cu->cuStreamSynchronize(g.stream), "cuStreamSynchronize");
+  }
+  if (collective_wait(req, -1) != COLLECTIVE_OK) {
+    collective_request_free(req);
+    throw std::runtime_error(std::string("group wait: ") + collective_last_error());
+  }
+  collective_request_free(req);
+  long wrong = 0;
+  for (std::size_t i = 0; i < from.size(); ++i) {
+    std::vector<std::byte> got(alloc);
+    if (host) std::memcpy(got.data(), rbufs[i], alloc);
+    else g.ok(g.cu->cuMemcpyDtoH(got.data(), reinterpret_cast<cu::DevicePtr>(rbufs[i]), alloc), "download");
+    auto want = p2p_data(d, from[i], g.rank, count, salt);
+    want.resize(alloc, std::byte{0x5a});  // past the count: untouched
+    for (std::size_t b = 0; b < alloc; ++b) {
+      if (got[b] != want[b]) {
+        if (wrong == 0) {
+          first = std::string(host ? "host" : "GPU") + " recv of " + std::to_string(count) + " " +
+                  std::string(engine::to_string(d)) + " from rank " + std::to_string(from[i]) +
+                  ": first wrong byte " + std::to_string(b) + " on rank " + std::to_string(g.rank);
+        }
+        ++wrong;
+      }
+    }
+  }
+  for (void* p : sbufs) host ? (void)collective_host_free(g.client, p) : (void)g.cu->cuMemFree(reinterpret_cast<cu::DevicePtr>(p));
+  for (void* p : rbufs) host ? (void)collective_host_free(g.client, p) : (void)g.cu->cuMemFree(reinterpret_cast<cu::DevicePtr>(p));
+  return wrong;
+}
+
+/// Every dtype size, odd and zero counts: an exchange (each rank sends to and
+/// receives from the other in one group), one direction only (single-item
+/// groups), and a group of two sends of different sizes to one peer (matched
+/// by order). `host_rank`: that rank uses host buffers (across nodes only).
+int p2p_body(GpuRank& g, int host_rank = -1) {
+  const bool host = g.rank == host_rank;
+  const int peer = 1 - g.rank;
+  long wrong = 0;
+  std::string first;
+  std::uint64_t salt = 500;
+  for (auto d : {engine::DType::uint8, engine::DType::bfloat16, engine::DType::float32, engine::DType::int64}) {
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1001},
+                              std::size_t{300001}}) {
+      wrong += p2p_group_case(g, host, d, count, {peer}, {peer}, salt++, first);
+      if (g.rank == 0) wrong += p2p_group_case(g, host, d, count, {peer}, {}, salt++, first);
+      else wrong += p2p_group_case(g, host, d, count, {}, {peer}, salt++, first);
+    }
+  }
+  // Two sends to one peer in one group, received in the same order: 3 MiB, then 5 bytes.
+  for (std::size_t count : {std::size_t{3} << 20, std::size_t{5}}) {
+    if (g.rank == 0) wrong += p2p_group_case(g, host, engine::DType::uint8, count, {peer, peer}, {}, salt, first);
+    else wrong += p2p_group_case(g, host, engine::DType::uint8, count, {}, {peer, peer}, salt, first);
+    ++salt;
+  }
+  if (wrong != 0) std::fprintf(stderr, "rank %d: %ld wrong bytes; %s\n", g.rank, wrong, first.c_str());
+  return wrong == 0 ? 0 : 1;
+}
+
+TEST_CASE("gpu: send/recv on GPU buffers: 2 ranks on 2 GPUs, then 2 ranks on 1 GPU, byte for byte") {
+  Daemon d;
+  with_ranks(d, 2, std::min(g_gpus, 2), [](GpuRank& g) { return p2p_body(g); });
+  with_ranks(d, 2, 1, [](GpuRank& g) { return p2p_body(g); });
+  // Host and GPU memory in one send/recv inside a node: refused, naming both kinds.
+  with_ranks(d, 2, std::min(g_gpus, 2), [](GpuRank& g) {
+    std::string first;
+    try {
+      if (g.rank == 0) p2p_group_case(g, true, engine::DType::float32, 64, {1}, {}, 1, first);
+      else p2p_group_case(g, false, engine::DType::float32, 64, {}, {0}, 1, first);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "rank %d: mixed send/recv in one node: %s\n", g.rank, e.what());
+      return std::string(e.what()).find("host") != std::string::npos ? 0 : 2;
+    }
+    return 1;
+  });
+  CHECK(d.alive());
+}
+
+TEST_CASE("gpu: across nodes: send/recv on GPU buffers through host staging, and GPU with host ranks") {
+  GpuCluster cl(2);
+  bool ok = with_ranks_on(cl.sockets(), std::min(g_gpus, 2), [](GpuRank& g) { return p2p_body(g); }, 600s);
+  // A host-buffer rank on node 0 paired with a GPU rank on node 1, both ways.
+  ok = with_ranks_on(cl.sockets(), std::min(g_gpus, 2), [](GpuRank& g) { return p2p_body(g, 0); }, 600s) && ok;
+  if (!ok) cl.dump_logs();
+}
+
+/// Rank 0 dies without sending; rank 1's GPU recv from it is queued: the recv
+/// fails by the deadline (or at once when the death is seen), naming rank 0,
+/// and rank 1's stream is released.
+static int recv_from_dead_peer(GpuRank& g) {
+  if (g.rank == 0) {
+    std::this_thread::sleep_for(300ms);
+    std::_Exit(0);
+  }
+  cu::DevicePtr buf = g.alloc(4096);
+  collective_group_start(g.comm);
+  collective_recv(g.comm, reinterpret_cast<void*>(buf), 1024, COLLECTIVE_FLOAT32, 0);
+  collective_request_t* req = nullptr;
+  if (collective_group_end_stream(g.comm, g.stream, &req) != COLLECTIVE_OK) return 40;
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto rc = collective_wait(req, 30000);
+  const std::string why = rc == COLLECTIVE_OK ? "ok" : collective_last_error();
+  collective_request_free(req);
+  const cu::Result sr = g.cu->cuStreamSynchronize(g.stream);
+  std::fprintf(stderr, "rank 1: recv from a dead peer: rc=%d after %.0f ms (%s); stream %s\n", static_cast<int>(rc),
+               std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
+               why.c_str(), sr == cu::kSuccess ? "released" : "error");
+  if (rc == COLLECTIVE_OK) return 41;
+  if (why.find("rank 0") == std::string::npos) return 43;
+  return sr == cu::kSuccess ? 0 : 42;
+}
+
+TEST_CASE("gpu: send/recv: a recv queued from a peer that is killed fails by its deadline, naming the peer") {
+  {
+    Daemon d(Daemon::Options{.overrides = {"deadlines.operation_ms=4000"}});
+    with_ranks(d, 2, std::min(g_gpus, 2), recv_from_dead_peer, 60s);
+    CHECK(d.alive());
+  }
+  GpuCluster cl(2, {"deadlines.operation_ms=4000"});
+  if (!with_ranks_on(cl.sockets(), std::min(g_gpus, 2), recv_from_dead_peer, 60s)) cl.dump_logs();
+}
+
+// ---- cutting across nodes with host and GPU ranks (gpu.stage_chunk_bytes) ------
+
+/// Rank `host_rank` uses host buffers and the host calls, the other GPU
+/// buffers and the stream calls; every operation above the chunk size, the
+/// results compared with the reference.
+int mixed_body(GpuRank& g, int host_rank) {
+  const bool host = g.rank == host_rank;
+  const int n = g.nranks;
+  long wrong = 0;
+  std::string first;
+  std::uint64_t salt = 900;
+  const auto d = engine::DType::float32;
+  const auto op = engine::RedOp::sum;
+  const std::size_t es = 4;
+  for (Kind k : {Kind::all_reduce, Kind::broadcast, Kind::reduce, Kind::all_gather, Kind::reduce_scatter,
+                 Kind::all_to_all}) {
+    for (std::size_t count : {std::size_t{3001}, std::size_t{70001}}) {
+      if (!host) {
+        wrong += run_case(g, k, d, op, count, 1, false, salt++, first);
+        continue;
+      }
+      const bool big_send = k == Kind::reduce_scatter || k == Kind::all_to_all;
+      const bool big_recv = k == Kind::all_gather || k == Kind::all_to_all;
+      const std::size_t send_elems = big_send ? count * n : count;
+      std::vector<std::vector<std::byte>> in(n);
+      for (int r = 0; r < n; ++r) in[r] = input(d, op, r, send_elems, salt);
+      ++salt;
+      const std::size_t one = count * es, recv_bytes = big_recv ? one * n : one;
+      void *s = nullptr, *rv = nullptr;
+      if (collective_host_alloc(g.client, send_elems * es, &s) != COLLECTIVE_OK ||
+          collective_host_alloc(g.client, recv_bytes, &rv) != COLLECTIVE_OK) {
+        throw std::runtime_error(collective_last_error());
+      }
+      std::memcpy(s, in[g.rank].data(), in[g.rank].size());
+      std::memset(rv, 0x5a, recv_bytes);
+      collective_request_t* req = nullptr;
+      collective_result_t rc = COLLECTIVE_OK;
+      const int root = 1;
+      switch (k) {
+        case Kind::all_reduce: rc = collective_all_reduce(g.comm, s, rv, count, COLLECTIVE_FLOAT32, COLLECTIVE_SUM, &req); break;
+        case Kind::all_gather: rc = collective_all_gather(g.comm, s, rv, count, COLLECTIVE_FLOAT32, &req); break;
+        case Kind::reduce_scatter: rc = collective_reduce_scatter(g.comm, s, rv, count, COLLECTIVE_FLOAT32, COLLECTIVE_SUM, &req); break;
+        case Kind::broadcast: rc = collective_broadcast(g.comm, s, rv, count, COLLECTIVE_FLOAT32, root, &req); break;
+        case Kind::reduce: rc = collective_reduce(g.comm, s, rv, count, COLLECTIVE_FLOAT32, COLLECTIVE_SUM, root, &req); break;
+        case Kind::all_to_all: rc = collective_all_to_all(g.comm, s, rv, count, COLLECTIVE_FLOAT32, &req); break;
+      }
+      if (rc != COLLECTIVE_OK || collective_wait(req, -1) != COLLECTIVE_OK) {
+        std::fprintf(stderr, "rank %d (host): %s: %s\n", g.rank, kind_name(k), collective_last_error());
+        ++wrong;
+      }
+      collective_request_free(req);
+      std::vector<std::byte> want(recv_bytes);
+      auto reduce_at = [&](std::size_t elem_offset, std::byte* dst) {
+        std::vector<const void*> srcs;
+        for (int r = 0; r < n; ++r) srcs.push_back(in[r].data() + elem_offset * es);
+        engine::reduce(d, op, dst, srcs.data(), srcs.size(), count, static_cast<std::size_t>(n));
+      };
+      bool check = true;
+      switch (k) {
+        case Kind::all_reduce: reduce_at(0, want.data()); break;
+        case Kind::reduce: check = g.rank == root; if (check) reduce_at(0, want.data()); break;
+        case Kind::reduce_scatter: reduce_at(g.rank * count, want.data()); break;
+        case Kind::broadcast: std::memcpy(want.data(), in[root].data(), one); break;
+        case Kind::all_gather:
+          for (int r = 0; r < n; ++r) std::memcpy(want.data() + r * one, in[r].data(), one);
+          break;
+        case Kind::all_to_all:
+          for (int r = 0; r < n; ++r) std::memcpy(want.data() + r * one, in[r].data() + g.rank * one, one);
+          break;
+      }
+      if (check && std::memcmp(want.data(), rv, recv_bytes) != 0) {
+        std::fprintf(stderr, "rank %d (host): %s count %zu: wrong result\n", g.rank, kind_name(k), count);
+        ++wrong;
+      }
+      collective_host_free(g.client, s);
+      collective_host_free(g.client, rv);
+    }
+  }
+  if (!first.empty()) std::fprintf(stderr, "rank %d: %s\n", g.rank, first.c_str());
+  return wrong == 0 ? 0 : 1;
+}
+
+TEST_CASE("gpu: across nodes, cut in chunks: a host-buffer rank and a GPU rank agree on every operation") {
+  // 4 KiB chunks: 70001 floats are 69 chunks for all-reduce, broadcast and reduce.
+  GpuCluster cl(2, {"log.level=debug", "gpu.stage_chunk_bytes=4096"});
+  const bool ok = with_ranks_on(cl.sockets(), std::min(g_gpus, 2), [](GpuRank& g) { return mixed_body(g, 0); }, 600s);
+  if (!ok) cl.dump_logs();
+  CHECK(cl.nodes[0].daemon->log().find("host_chunked") != std::string::npos);
+  CHECK(cl.nodes[1].daemon->log().find("gpu_chunked") != std::string::npos);
 }
 
 int main(int argc, char** argv) {
