@@ -108,6 +108,7 @@ struct P2PItem {
   std::shared_ptr<gpu::GpuStage> gpu_stage;
   bool staging = false;
   bool staged = false;
+  bool ready = false;  // the executor reached the rank's ready word (stage_in done)
 };
 
 struct Group {
@@ -682,11 +683,11 @@ struct Engine::Impl {
           if (item.started) continue;
           if (comm.members[item.peer].remote) {
             if (g->gpu_sync && !item.staged) {
-              // Through pinned host staging: the engine's node send/recv
-              // runs once the executor has the item's data on the host.
+              // Through pinned host staging: a send runs once the executor
+              // has its data on the host, a receive at once.
               if (!item.staging) stage_gpu_item(cp, g, k, out);
               if (g->failed) break;
-              continue;
+              if (!item.staged) continue;
             }
             start_remote_item(cp, g, item, out, tasks);
             continue;
@@ -940,7 +941,17 @@ struct Engine::Impl {
 
   void item_done(Comm& comm, Group& g, std::vector<Delivery>& out) {
     ++g.done;
+    finish_group(comm, g, out);
+  }
+
+  /// Answers a group whose items are all done. A GPU group's receives from
+  /// other nodes are copied back to the GPU first, once the rank's stream
+  /// has reached the group (its ready word): they may have arrived before.
+  void finish_group(Comm& comm, Group& g, std::vector<Delivery>& out) {
     if (g.done < g.items.size() || g.answered) return;
+    for (const auto& item : g.items) {
+      if (item.staged && !item.is_send && !item.ready) return;  // stage_gpu_item finishes it
+    }
     g.answered = true;
     Result res;
     res.seq = g.seq;
@@ -1052,8 +1063,14 @@ struct Engine::Impl {
     op.deadline = g->deadline;
     op.hold = true;
     std::weak_ptr<Comm> weak = cp;
+    auto host_span = [](P2PItem& it) {
+      const auto& st = it.gpu_stage;
+      const Span& h = it.is_send ? st->send[0] : st->recv[0];
+      it.span = Span{std::shared_ptr<Registration>(st, &st->host), h.ptr, h.bytes};
+      it.staged = true;
+    };
     try {
-      item.gpu_stage = gpu->stage_in(std::move(op), [this, weak, g, k](Code code, std::string why) {
+      item.gpu_stage = gpu->stage_in(std::move(op), [this, weak, g, k, host_span](Code code, std::string why) {
         auto live = weak.lock();
         if (!live) return;
         locked([&](std::vector<Delivery>& out2, std::vector<std::function<void()>>& tasks2) {
@@ -1064,15 +1081,18 @@ struct Engine::Impl {
                        (it.is_send ? "send to rank " : "recv from rank ") +
                            std::to_string(it.peer) + " on GPU buffers: " + why,
                        out2);
+          } else if (it.is_send) {
+            host_span(it);  // its data is on the host now
           } else {
-            const auto& st = it.gpu_stage;
-            const Span& h = it.is_send ? st->send[0] : st->recv[0];
-            it.span = Span{std::shared_ptr<Registration>(st, &st->host), h.ptr, h.bytes};
-            it.staged = true;
+            it.ready = true;  // its copy back may go once it has arrived
+            finish_group(*live, *g, out2);
           }
           progress(live, out2, tasks2);
         });
       });
+      // A receive takes the data into its staging as soon as it arrives (an
+      // eager sender may leave the communicator right after sending).
+      if (!item.is_send) host_span(item);
     } catch (const Error& e) {
       fail_group(comm, *g, e.code(), e.what(), out);
     }

@@ -833,6 +833,14 @@ int p2p_body(GpuRank& g, int host_rank = -1) {
     ++salt;
   }
   if (wrong != 0) std::fprintf(stderr, "rank %d: %ld wrong bytes; %s\n", g.rank, wrong, first.c_str());
+  // Sends are eager: rank 0 may be done long before rank 1 has posted its
+  // last receives; leaving the communicator then would fail them.
+  collective_request_t* req = nullptr;
+  if (collective_barrier(g.comm, &req) != COLLECTIVE_OK || collective_wait(req, -1) != COLLECTIVE_OK) {
+    std::fprintf(stderr, "rank %d: barrier: %s\n", g.rank, collective_last_error());
+    wrong += 1;
+  }
+  collective_request_free(req);
   return wrong == 0 ? 0 : 1;
 }
 
