@@ -191,6 +191,7 @@ struct NodeRunner {
 /// communicator, the event loop or the worker pool.
 struct Executor {
   std::shared_ptr<NodeRunner> runner;
+  std::string comm;  // the communicator's name, for the log
   std::mutex mu;  // guards jobs
   std::deque<std::function<void()>> jobs;
   /// Set when a wake-up is queued on the node thread (at most one at a time).

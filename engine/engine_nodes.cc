@@ -437,9 +437,11 @@ void Executor::drive(const std::shared_ptr<Executor>& ex) {
   try {
     finished = ex->fiber->resume();
   } catch (const std::exception& e) {
-    // run_across_nodes answers every error itself; this would be a bug.
-    std::fprintf(stderr, "collectived: an operation between nodes ended with an exception: %s\n",
-                 e.what());
+    // run_across_nodes answers every error itself; this would be a bug. No
+    // logger here (the executor outlives nothing it could borrow one from):
+    // the daemon's log format on stderr.
+    std::fprintf(stderr, "level=error event=node_job_threw comm=%s error=\"%s\"\n",
+                 ex->comm.c_str(), e.what());
   }
   if (finished) ex->fiber.reset();
 }
@@ -472,6 +474,7 @@ void Engine::Impl::attach_nodes(const std::shared_ptr<Comm>& cp) {
   if (comm.inbox->broken) comm.broken = comm.inbox->broken;
   comm.exec = std::make_shared<Executor>();
   comm.exec->runner = runner;
+  comm.exec->comm = comm.name;
   comm.inbox->exec = comm.exec;
   executors.push_back(comm.exec);
 }
