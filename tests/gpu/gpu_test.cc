@@ -871,6 +871,8 @@ TEST_CASE("gpu: across nodes: send/recv on GPU buffers through host staging, and
   if (!ok) cl.dump_logs();
 }
 
+static int recv_never_sent(GpuRank& g);
+
 /// Rank 0 dies without sending; rank 1's GPU recv from it is queued: the recv
 /// fails by the deadline (or at once when the death is seen), naming rank 0,
 /// and rank 1's stream is released.
@@ -878,6 +880,16 @@ static int recv_from_dead_peer(GpuRank& g) {
   if (g.rank == 0) {
     std::this_thread::sleep_for(300ms);
     std::_Exit(0);
+  }
+  return recv_never_sent(g);
+}
+
+/// Rank 1's GPU recv from rank 0, which never sends: fails naming rank 0, the
+/// stream released. (Rank 0 either dies, or stays past the deadline.)
+static int recv_never_sent(GpuRank& g) {
+  if (g.rank == 0) {
+    std::this_thread::sleep_for(6s);  // alive, silent, past the 4 s deadline
+    return 0;
   }
   cu::DevicePtr buf = g.alloc(4096);
   collective_group_start(g.comm);
@@ -905,6 +917,16 @@ TEST_CASE("gpu: send/recv: a recv queued from a peer that is killed fails by its
   }
   GpuCluster cl(2, {"deadlines.operation_ms=4000"});
   if (!with_ranks_on(cl.sockets(), std::min(g_gpus, 2), recv_from_dead_peer, 60s)) cl.dump_logs();
+}
+
+TEST_CASE("gpu: send/recv: a recv from a live peer that never sends fails by the deadline, naming the peer") {
+  {
+    Daemon d(Daemon::Options{.overrides = {"deadlines.operation_ms=4000"}});
+    with_ranks(d, 2, std::min(g_gpus, 2), recv_never_sent, 60s);
+    CHECK(d.alive());
+  }
+  GpuCluster cl(2, {"deadlines.operation_ms=4000"});
+  if (!with_ranks_on(cl.sockets(), std::min(g_gpus, 2), recv_never_sent, 60s)) cl.dump_logs();
 }
 
 // ---- cutting across nodes with host and GPU ranks (gpu.stage_chunk_bytes) ------
