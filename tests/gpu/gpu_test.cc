@@ -901,7 +901,7 @@ static int recv_never_sent(GpuRank& g) {
   const std::string why = rc == COLLECTIVE_OK ? "ok" : collective_last_error();
   collective_request_free(req);
   const cu::Result sr = g.cu->cuStreamSynchronize(g.stream);
-  std::fprintf(stderr, "rank 1: recv from a dead peer: rc=%d after %.0f ms (%s); stream %s\n", static_cast<int>(rc),
+  std::fprintf(stderr, "rank 1: recv from rank 0: rc=%d after %.0f ms (%s); stream %s\n", static_cast<int>(rc),
                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
                why.c_str(), sr == cu::kSuccess ? "released" : "error");
   if (rc == COLLECTIVE_OK) return 41;
