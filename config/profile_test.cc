@@ -112,7 +112,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   const std::string text(cfg::default_profile_text());
   REQUIRE(!text.empty());
   const std::vector<std::string> keys = cfg::known_keys();
-  CHECK(keys.size() == 40);  // main's 37 + metrics.listen
+  CHECK(keys.size() == 41);  // main's 37 + metrics.listen + gpu.stage_chunk_bytes
   CHECK(keys.front() == "node.name");
   CHECK(keys.back() == "metrics.listen");
   for (const std::string& key : keys) {
@@ -123,6 +123,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   const cfg::Profile p = cfg::default_profile();
   CHECK(p.node.name == host_name());
   CHECK(p.gpu.mps == "off");
+  CHECK(p.gpu.stage_chunk_bytes == 0);
   CHECK(p.client.socket == "/run/collectived/collectived.sock");
   CHECK(p.client.socket_mode == 0660);
   CHECK(p.client.allowed_uids == std::vector<std::uint32_t>{0});
