@@ -568,6 +568,10 @@ constexpr std::array kSchema{
         [](N n, Profile& p, C c) { p.memory.max_registered_bytes = as_size(n, c, 0, 64 * TiB); },
         [](E e, P p) { e << p.memory.max_registered_bytes; },
         "all registrations together; 0 = unlimited"},
+    Key{"memory.max_unreceived_bytes",
+        [](N n, Profile& p, C c) { p.memory.max_unreceived_bytes = as_size(n, c, 0, 64 * TiB); },
+        [](E e, P p) { e << p.memory.max_unreceived_bytes; },
+        "data from other nodes not yet received here; 0 = unlimited"},
 
     Key{"transports", [](N n, Profile& p, C c) { p.transports = as_transports(n, c); },
         [](E e, P p) {

@@ -81,6 +81,9 @@ struct WorkerSection {
 struct MemorySection {
   std::uint64_t host_pool_bytes = 0;       ///< daemon-owned staging pool
   std::uint64_t max_registered_bytes = 0;  ///< all clients' registrations together
+  /// Data from other nodes that no operation here has taken yet (eager sends,
+  /// a node running ahead), all communicators together; 0 = unlimited.
+  std::uint64_t max_unreceived_bytes = 0;
 };
 
 struct TcpSection {

@@ -84,6 +84,7 @@ void check_equal(const cfg::Profile& a, const cfg::Profile& b) {
   CHECK(a.workers.threads == b.workers.threads);
   CHECK(a.memory.host_pool_bytes == b.memory.host_pool_bytes);
   CHECK(a.memory.max_registered_bytes == b.memory.max_registered_bytes);
+  CHECK(a.memory.max_unreceived_bytes == b.memory.max_unreceived_bytes);
   CHECK(a.transports == b.transports);
   CHECK(a.tcp.streams_per_peer == b.tcp.streams_per_peer);
   CHECK(a.tcp.chunk_bytes == b.tcp.chunk_bytes);
@@ -111,7 +112,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   const std::string text(cfg::default_profile_text());
   REQUIRE(!text.empty());
   const std::vector<std::string> keys = cfg::known_keys();
-  CHECK(keys.size() == 39);  // main's 37 + metrics.listen
+  CHECK(keys.size() == 40);  // main's 37 + metrics.listen
   CHECK(keys.front() == "node.name");
   CHECK(keys.back() == "metrics.listen");
   for (const std::string& key : keys) {
@@ -142,6 +143,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   CHECK(p.workers.threads == 0);
   CHECK(p.memory.host_pool_bytes == 64ull << 20);
   CHECK(p.memory.max_registered_bytes == 0);
+  CHECK(p.memory.max_unreceived_bytes == 4ull << 30);
   CHECK(p.transports ==
         std::vector<TransportKind>{TransportKind::local, TransportKind::tcp, TransportKind::verbs});
   CHECK(p.tcp.streams_per_peer == 4);

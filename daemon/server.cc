@@ -47,6 +47,7 @@ engine::EngineOptions engine_options(const config::Profile& p, engine::EngineObs
   o.operation_deadline = p.deadlines.operation;
   o.rendezvous_deadline = p.deadlines.rendezvous;
   o.worker_threads = p.workers.threads;
+  o.max_unreceived_bytes = p.memory.max_unreceived_bytes;
   return o;
 }
 

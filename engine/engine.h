@@ -44,6 +44,9 @@ struct EngineOptions {
   std::chrono::milliseconds operation_deadline{30000};
   std::chrono::milliseconds rendezvous_deadline{60000};
   std::size_t worker_threads = 0;  ///< 0: one per CPU
+  /// memory.max_unreceived_bytes: data from other nodes that no operation here
+  /// has taken yet, all communicators together; 0 = unlimited.
+  std::uint64_t max_unreceived_bytes = 0;
   EngineObserver* observer = nullptr;  ///< metrics; outlives the engine
 };
 

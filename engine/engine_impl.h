@@ -191,6 +191,7 @@ struct NodeRunner {
 /// communicator, the event loop or the worker pool.
 struct Executor {
   std::shared_ptr<NodeRunner> runner;
+  std::string comm;  // the communicator's name, for the log
   std::mutex mu;  // guards jobs
   std::deque<std::function<void()>> jobs;
   /// Set when a wake-up is queued on the node thread (at most one at a time).
@@ -573,6 +574,12 @@ struct Engine::Impl {
   void release_nodes(Comm& comm);
   /// Drops what other nodes sent for `seq`.
   void purge_inbox(Comm& comm, std::uint64_t seq);
+  /// Whether `size` more bytes for `in` would pass memory.max_unreceived_bytes;
+  /// if so, breaks its communicator (or marks the unclaimed inbox broken),
+  /// naming `what` and the sending node, and drops what it held.
+  bool over_unreceived_limit(const std::string& uid, Inbox& in, const std::shared_ptr<Comm>& cp,
+                             std::uint64_t size, const std::string& what, const std::string& from,
+                             std::vector<Delivery>& out);
   /// Tells the other nodes that this node broke the communicator.
   void send_broken(Comm& comm, Code code, const std::string& reason, std::uint64_t floor);
   /// Tells the other nodes that `seq` failed here.

@@ -437,9 +437,11 @@ void Executor::drive(const std::shared_ptr<Executor>& ex) {
   try {
     finished = ex->fiber->resume();
   } catch (const std::exception& e) {
-    // run_across_nodes answers every error itself; this would be a bug.
-    std::fprintf(stderr, "collectived: an operation between nodes ended with an exception: %s\n",
-                 e.what());
+    // run_across_nodes answers every error itself; this would be a bug. No
+    // logger here (the executor outlives nothing it could borrow one from):
+    // the daemon's log format on stderr.
+    std::fprintf(stderr, "level=error event=node_job_threw comm=%s error=\"%s\"\n",
+                 ex->comm.c_str(), e.what());
   }
   if (finished) ex->fiber.reset();
 }
@@ -472,6 +474,7 @@ void Engine::Impl::attach_nodes(const std::shared_ptr<Comm>& cp) {
   if (comm.inbox->broken) comm.broken = comm.inbox->broken;
   comm.exec = std::make_shared<Executor>();
   comm.exec->runner = runner;
+  comm.exec->comm = comm.name;
   comm.inbox->exec = comm.exec;
   executors.push_back(comm.exec);
 }
@@ -1053,6 +1056,39 @@ void Engine::Impl::start_remote_item(const std::shared_ptr<Comm>& cp,
 
 // ---- what arrives from other nodes -------------------------------------------------------
 
+bool Engine::Impl::over_unreceived_limit(const std::string& uid, Inbox& in,
+                                         const std::shared_ptr<Comm>& cp, std::uint64_t size,
+                                         const std::string& what, const std::string& from,
+                                         std::vector<Delivery>& out) {
+  const std::uint64_t limit = options.max_unreceived_bytes;
+  if (limit == 0) return false;
+  std::uint64_t held = 0;
+  for (const auto& [_, ref] : inboxes) held += ref.first ? ref.first->bytes : 0;
+  if (held + size <= limit) return false;
+  // Sends complete once their data is on the way (eager), and a broadcast
+  // root does not wait for its receivers: without a bound a program whose
+  // receives never come would grow this daemon until the kernel kills it,
+  // taking every other job of the node with it. The communicator whose data
+  // overflowed breaks instead, and what it held here is dropped.
+  const std::string why = "node " + options.node_name + " holds " + std::to_string(held) +
+                          " bytes from other nodes that no operation here has taken yet; " + what +
+                          " from " + from + " (" + std::to_string(size) +
+                          " bytes) would pass memory.max_unreceived_bytes = " +
+                          std::to_string(limit) + (cp ? " (communicator " + cp->name + ")" : "");
+  log.error("unreceived_limit", {{"uid", to_hex(uid)}, {"from", from}, {"held", held},
+                                 {"bytes", size}, {"limit", limit},
+                                 {"comm", cp ? cp->name : "-"}});
+  in.msgs.clear();
+  in.p2p.clear();
+  in.bytes = 0;
+  if (cp) {
+    break_comm(*cp, Code::resource_exhausted, why, out);
+  } else {
+    in.broken = error(Code::resource_exhausted, why);
+  }
+  return true;
+}
+
 void Engine::Impl::handle_node_message(const std::string& peer, MessageBytes bytes,
                                        std::vector<Delivery>& out,
                                        std::vector<std::function<void()>>& tasks) {
@@ -1192,6 +1228,16 @@ void Engine::Impl::handle_node_message(const std::string& peer, MessageBytes byt
       item.payload.offset = d->raw_offset;
       item.payload.size = d->bytes.size() - d->raw_offset;
       item.payload.storage = std::move(d->bytes);
+      if (over_unreceived_limit(uid, in, cp, item.payload.storage.size(),
+                                p2p ? "a send from rank " + std::to_string(from_rank) + " to rank " +
+                                          std::to_string(to_rank)
+                                    : "data of operation " + std::to_string(seq),
+                                cp && from_node >= 0 && from_node < static_cast<int>(cp->node_name.size())
+                                    ? "node " + cp->node_text(from_node)
+                                    : from,
+                                out)) {
+        return;
+      }
       if (p2p) {
         log.debug("p2p_arrived", {{"uid", uid}, {"from", from_rank}, {"to", to_rank},
                                   {"index", index}, {"comm", cp ? cp->name : "-"}});

@@ -174,6 +174,49 @@ TEST_CASE("split and send/recv across nodes") {
   });
 }
 
+TEST_CASE("sends never received stop at memory.max_unreceived_bytes, naming the sender; the nodes serve on") {
+  // node1 may hold 1 MiB that no operation has taken; rank 0 sends 256 KiB
+  // at a time to rank 1, which never receives. Without the bound node1 would
+  // keep all 16 MiB (and, in a loop, grow until killed).
+  Cluster cl(2, {"memory.max_unreceived_bytes=1MiB"});
+  constexpr std::size_t kPiece = 256 << 10;
+  run_layout(cl, {0, 1}, kPiece, [](RankCtx& c) {
+    auto expect_limit = [&](collective_result_t rc, const char* where) {
+      const char* msg = collective_last_error();
+      if (rc != COLLECTIVE_RESOURCE_EXHAUSTED || !contains(msg, "memory.max_unreceived_bytes") ||
+          !contains(msg, "node node1 holds") || !contains(msg, "from rank 0 to rank 1") ||
+          !contains(msg, "node0")) {
+        c.report(std::string(where) + ": expected the limit naming node1, rank 0 and node0, got " +
+                 std::to_string(rc) + ": " + msg);
+      }
+    };
+    if (c.rank == 1) {
+      // Blocks on rank 0's all-reduce, which never comes: the break ends it.
+      expect_limit(all_reduce_wait(c.comm, c.send, c.recv, 16, 20000), "rank 1's all-reduce");
+      c.comm = nullptr;  // broken: not destroyed
+      return 0;
+    }
+    collective_result_t rc = COLLECTIVE_OK;
+    for (int i = 0; i < 64 && rc == COLLECTIVE_OK; ++i) {
+      collective_request_t* req = nullptr;
+      rc = collective_group_start(c.comm);
+      if (rc == COLLECTIVE_OK) rc = collective_send(c.comm, c.send, kPiece, COLLECTIVE_UINT8, 1);
+      if (rc == COLLECTIVE_OK) rc = collective_group_end(c.comm, &req);
+      if (rc == COLLECTIVE_OK) rc = collective_wait(req, 20000);
+      collective_request_free(req);
+    }
+    if (rc == COLLECTIVE_OK) rc = all_reduce_wait(c.comm, c.send, c.recv, 16, 20000);
+    expect_limit(rc, "rank 0");
+    c.comm = nullptr;
+    return 0;
+  });
+  // The break cost only that communicator: a new one over the same nodes works.
+  run_layout(cl, {0, 1}, 1 << 16, [](RankCtx& c) {
+    sum_check(c, c.comm, 1000);
+    return 0;
+  });
+}
+
 TEST_CASE("a mismatch across nodes is named on both nodes; the communicator goes on") {
   Cluster cl(2);
   run_layout(cl, {0, 1}, 1 << 16, [](RankCtx& c) {
