@@ -6,10 +6,20 @@
 //   verbs-bw --role server --device rxe0 --address 10.99.0.1 --port P --sizes 4096,65536 --bytes N
 //   verbs-bw --role client --device rxe1 --address 10.99.0.1 --port P --sizes ...  --bytes N
 // The client prints "verbs-bw <size> <iterations> <MB/s>" per size (MB = 10^6 bytes, as perftest).
+//
+// --transport tcp: the same sizes as a plain TCP stream over the connection
+// (send() of `size` bytes at a time, the server reads and counts; timed to the
+// server's "done"), the anchor for what TCP gets on the same veth; prints
+// "tcp-bw <size> <iterations> <MB/s>".
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <deque>
 #include <sstream>
+#include <vector>
 
 #include "engine/transport/verbs/ibverbs_library.h"
 #include "engine/transport/verbs/verbs_transport.h"
@@ -21,6 +31,46 @@ using namespace collectived;
 using namespace collectived::rdma_test;
 using namespace std::chrono_literals;
 using verbs::Clock;
+
+namespace {
+
+// The TCP stream of --transport tcp; see the top of the file.
+int tcp_bw(SocketChannel& channel, bool server, const std::vector<std::size_t>& sizes,
+           std::uint64_t bytes) {
+  std::size_t max_size = 1;
+  for (std::size_t s : sizes) max_size = std::max(max_size, s);
+  std::vector<std::byte> buf(max_size, std::byte{0x5a});
+  for (std::size_t size : sizes) {
+    const std::uint64_t iterations = std::max<std::uint64_t>(bytes / size, 16);
+    const std::uint64_t total = iterations * size;
+    if (server) {
+      for (std::uint64_t got = 0; got < total;) {
+        const ssize_t n = ::recv(channel.fd(), buf.data(), std::min<std::uint64_t>(buf.size(), total - got), 0);
+        if (n <= 0) throw Error(Code::system, std::string("tcp-bw recv: ") + (n == 0 ? "closed" : std::strerror(errno)));
+        got += static_cast<std::uint64_t>(n);
+      }
+      channel.send_text("done");
+      continue;
+    }
+    const auto start = Clock::now();
+    for (std::uint64_t i = 0; i < iterations; ++i) {
+      for (std::size_t sent = 0; sent < size;) {
+        const ssize_t n = ::send(channel.fd(), buf.data() + sent, size - sent, MSG_NOSIGNAL);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) throw Error(Code::system, std::string("tcp-bw send: ") + std::strerror(errno));
+        sent += static_cast<std::size_t>(n);
+      }
+    }
+    if (channel.receive_text(Clock::now() + 120s) != "done") throw Error(Code::protocol, "expected done");
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    std::printf("tcp-bw %zu %llu %.2f\n", size, static_cast<unsigned long long>(iterations),
+                static_cast<double>(total) / seconds / 1e6);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   const Args a = parse_args(argc, argv);
@@ -55,6 +105,7 @@ int main(int argc, char** argv) {
       fd = connect_tcp(address, port, deadline);
     }
     SocketChannel channel(std::move(fd), server ? "client" : "server");
+    if (arg(a, "transport", "verbs") == "tcp") return tcp_bw(channel, server, sizes, bytes);
     auto device = verbs::Device::open(lib, options, server ? "server" : "client",
                                       config::VerbsHca{arg(a, "device", server ? "rxe0" : "rxe1"), 1});
     auto pair = device->connect(channel, server ? "client" : "server", deadline);

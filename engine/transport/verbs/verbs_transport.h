@@ -128,6 +128,8 @@ class Pair {
   /// Posts a write of `length` bytes at `offset` in `buffer` to the peer under
   /// `tag`, split into slot-sized RDMA WRITEs as credits allow. Returns an id
   /// for wait_written(). The buffer's range must stay unchanged until then.
+  /// While rebuild() runs (once its new queue pairs exist) the write is queued
+  /// and goes out when the pair is connected.
   std::uint64_t post_write(std::uint64_t tag, const Buffer& buffer, std::size_t offset,
                            std::size_t length, MessagePart part = {});
   /// Waits until write `id` completed locally (the source may be reused).
