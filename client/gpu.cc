@@ -285,11 +285,7 @@ class StreamSubmit final : public GpuSubmit {
   void fill(wire::Collective::Builder c, const void* send, std::uint64_t send_bytes,
             const void* recv, std::uint64_t recv_bytes) override {
     GpuState& s = *s_;
-    const CudaDriver& cu = *s.cu;
-    lock_ = std::unique_lock(client_->gpu_mutex);
-    cu::Context ctx = nullptr;
-    cu.check(cu.cuStreamGetCtx(stream_, &ctx), "cuStreamGetCtx of the caller's stream");
-    ScopedContext scope(cu, ctx);
+    ScopedContext scope(*s.cu, lock_stream_context());
     Located snd, rcv;
     if (send_bytes > 0) snd = locate_gpu(client_, s, send, send_bytes, "send");
     if (recv_bytes > 0) rcv = locate_gpu(client_, s, recv, recv_bytes, "recv");
@@ -298,17 +294,12 @@ class StreamSubmit final : public GpuSubmit {
     c.getRecv().setHandle(rcv.handle);
     c.getRecv().setOffset(rcv.offset);
     fill_sync(c.initGpu(), snd.buffer_id, rcv.buffer_id);
-    ctx_ = ctx;
   }
 
   void fill_group(wire::P2PGroup::Builder g,
                   const std::vector<std::pair<const void*, std::uint64_t>>& bufs) override {
     GpuState& s = *s_;
-    const CudaDriver& cu = *s.cu;
-    lock_ = std::unique_lock(client_->gpu_mutex);
-    cu::Context ctx = nullptr;
-    cu.check(cu.cuStreamGetCtx(stream_, &ctx), "cuStreamGetCtx of the caller's stream");
-    ScopedContext scope(cu, ctx);
+    ScopedContext scope(*s.cu, lock_stream_context());
     auto items = g.getItems();
     for (unsigned i = 0; i < bufs.size(); ++i) {
       if (bufs[i].second == 0) continue;
@@ -319,7 +310,15 @@ class StreamSubmit final : public GpuSubmit {
       items[i].setBufferId(at.buffer_id);
     }
     fill_sync(g.initGpu(), 0, 0);
-    ctx_ = ctx;
+  }
+
+  /// Takes gpu_mutex (held until sent()) and returns the context of the
+  /// caller's stream, which the registrations and stream writes run in.
+  cu::Context lock_stream_context() {
+    const CudaDriver& cu = *s_->cu;
+    lock_ = std::unique_lock(client_->gpu_mutex);
+    cu.check(cu.cuStreamGetCtx(stream_, &ctx_), "cuStreamGetCtx of the caller's stream");
+    return ctx_;
   }
 
   /// Takes a flag word and ticket, marks the input ready on the caller's
