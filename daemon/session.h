@@ -123,6 +123,10 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
   /// the same way): submitted as consecutive chunk operations, answered once
   /// (session_gpu.cc). False when it is not cut (the caller submits it whole).
   bool submit_chunked(std::uint64_t id, wire::Collective::Reader req, bool from_worker);
+  /// The reference the chunks of one chunked operation are submitted with:
+  /// their answers reach the client as one (logs `event`).
+  engine::ClientRef chunked_ref(const char* event, std::uint64_t comm, std::uint64_t count,
+                                std::size_t chunks, bool from_worker);
   /// `from_worker`: the request is handled on a daemon worker thread (the
   /// ring poller), which may run small operations itself.
   engine::ClientRef client_ref(bool from_worker = false);

@@ -113,6 +113,16 @@ std::shared_ptr<engine::gpu::RankSync> ClientSession::gpu_sync(wire::GpuSync::Re
   return host_.gpu().make_sync(id_, sync_args(req));
 }
 
+engine::ClientRef ClientSession::chunked_ref(const char* event, std::uint64_t comm,
+                                             std::uint64_t count, std::size_t chunks,
+                                             bool from_worker) {
+  host_.logger().debug(event, {{"session", id_}, {"comm", comm}, {"count", count}, {"chunks", chunks}});
+  engine::ClientRef ref = client_ref(from_worker);
+  // The chunks' answers are gathered into one answer to the client.
+  ref.sink = std::make_shared<ChunkAnswers>(sink_, chunks);
+  return ref;
+}
+
 bool ClientSession::submit_chunked(std::uint64_t id, wire::Collective::Reader req,
                                    bool from_worker) {
   using engine::OpKind;
@@ -165,13 +175,7 @@ bool ClientSession::submit_chunked(std::uint64_t id, wire::Collective::Reader re
     const std::uint64_t per = std::max<std::uint64_t>(64, chunk_bytes / es / 64 * 64);
     const std::size_t chunks = static_cast<std::size_t>((count + per - 1) / per);
     if (chunks < 2) return false;
-    host_.logger().debug("host_chunked", {{"session", id_},
-                                          {"comm", req.getComm()},
-                                          {"count", count},
-                                          {"chunks", chunks}});
-    auto answers = std::make_shared<ChunkAnswers>(sink_, chunks);
-    engine::ClientRef ref = client_ref(from_worker);
-    ref.sink = answers;
+    const engine::ClientRef ref = chunked_ref("host_chunked", req.getComm(), count, chunks, from_worker);
     for (std::uint64_t at = 0; at < count; at += per) {
       engine::CollectiveArgs a;
       a.kind = kind;
@@ -229,13 +233,7 @@ bool ClientSession::submit_chunked(std::uint64_t id, wire::Collective::Reader re
   c.root = root;
   auto syncs = gpu.make_chunked(id_, sync_args(req.getGpu()), std::move(c));
 
-  host_.logger().debug("gpu_chunked", {{"session", id_},
-                                       {"comm", req.getComm()},
-                                       {"count", count},
-                                       {"chunks", chunks}});
-  auto answers = std::make_shared<ChunkAnswers>(sink_, chunks);
-  engine::ClientRef ref = client_ref(from_worker);
-  ref.sink = answers;
+  const engine::ClientRef ref = chunked_ref("gpu_chunked", req.getComm(), count, chunks, from_worker);
   for (std::size_t i = 0; i < chunks; ++i) {
     const std::uint64_t at = first[i], ci = first[i + 1] - first[i];
     engine::CollectiveArgs a;
