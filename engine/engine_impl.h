@@ -1005,6 +1005,21 @@ struct Engine::Impl {
     });
   }
 
+  /// The executor's operation for point-to-point bytes of `comm`'s group
+  /// `seq`, holding the ranks' hand-off until the last RankSync drops.
+  static gpu::GpuCollective gpu_p2p_op(const Comm& comm, std::uint64_t seq, std::uint64_t bytes,
+                                       Clock::time_point deadline) {
+    gpu::GpuCollective op;
+    op.comm = comm.name;
+    op.seq = seq;
+    op.kind = OpKind::p2p;
+    op.dtype = DType::uint8;
+    op.count = bytes;
+    op.deadline = deadline;
+    op.hold = true;
+    return op;
+  }
+
   /// A send/recv pair inside the node on GPU buffers: the executor copies
   /// the sender's buffer into the receiver's over the peer mapping, after
   /// both ranks' inputs are ready on their streams.
@@ -1012,18 +1027,12 @@ struct Engine::Impl {
                       const std::shared_ptr<Group>& receiver, P2PItem& send, P2PItem& recv,
                       std::vector<Delivery>& out) {
     Comm& comm = *cp;
-    gpu::GpuCollective op;
-    op.comm = comm.name;
-    op.seq = sender->seq;
-    op.kind = OpKind::p2p;
-    op.dtype = DType::uint8;
-    op.count = send.span.bytes;
+    gpu::GpuCollective op = gpu_p2p_op(comm, sender->seq, send.span.bytes,
+                                       std::min(sender->deadline, receiver->deadline));
     op.send = {send.span, Span{}};
     op.recv = {Span{}, recv.span};
     op.sync = {sender->gpu_sync, receiver->gpu_sync};
     op.who = {comm.who(sender->rank), comm.who(receiver->rank)};
-    op.deadline = std::min(sender->deadline, receiver->deadline);
-    op.hold = true;
     std::weak_ptr<Comm> weak = cp;
     try {
       gpu->run(std::move(op), [this, weak, sender, receiver](Code code, std::string why) {
@@ -1057,18 +1066,11 @@ struct Engine::Impl {
     Comm& comm = *cp;
     P2PItem& item = g->items[k];
     item.staging = true;
-    gpu::GpuCollective op;
-    op.comm = comm.name;
-    op.seq = g->seq;
-    op.kind = OpKind::p2p;
-    op.dtype = DType::uint8;
-    op.count = item.span.bytes;
+    gpu::GpuCollective op = gpu_p2p_op(comm, g->seq, item.span.bytes, g->deadline);
     op.send = {item.is_send ? item.span : Span{}};
     op.recv = {item.is_send ? Span{} : item.span};
     op.sync = {g->gpu_sync};
     op.who = {comm.who(g->rank)};
-    op.deadline = g->deadline;
-    op.hold = true;
     std::weak_ptr<Comm> weak = cp;
     auto host_span = [](P2PItem& it) {
       const auto& st = it.gpu_stage;
