@@ -909,24 +909,24 @@ static int recv_never_sent(GpuRank& g) {
   return sr == cu::kSuccess ? 0 : 42;
 }
 
-TEST_CASE("gpu: send/recv: a recv queued from a peer that is killed fails by its deadline, naming the peer") {
+/// Runs `body` on two ranks of one daemon (which must survive it), then on
+/// two daemons joined by TCP, with a 4 s operation deadline.
+static void in_node_and_across(int (*body)(GpuRank&)) {
   {
     Daemon d(Daemon::Options{.overrides = {"deadlines.operation_ms=4000"}});
-    with_ranks(d, 2, std::min(g_gpus, 2), recv_from_dead_peer, 60s);
+    with_ranks(d, 2, std::min(g_gpus, 2), body, 60s);
     CHECK(d.alive());
   }
   GpuCluster cl(2, {"deadlines.operation_ms=4000"});
-  if (!with_ranks_on(cl.sockets(), std::min(g_gpus, 2), recv_from_dead_peer, 60s)) cl.dump_logs();
+  if (!with_ranks_on(cl.sockets(), std::min(g_gpus, 2), body, 60s)) cl.dump_logs();
+}
+
+TEST_CASE("gpu: send/recv: a recv queued from a peer that is killed fails by its deadline, naming the peer") {
+  in_node_and_across(recv_from_dead_peer);
 }
 
 TEST_CASE("gpu: send/recv: a recv from a live peer that never sends fails by the deadline, naming the peer") {
-  {
-    Daemon d(Daemon::Options{.overrides = {"deadlines.operation_ms=4000"}});
-    with_ranks(d, 2, std::min(g_gpus, 2), recv_never_sent, 60s);
-    CHECK(d.alive());
-  }
-  GpuCluster cl(2, {"deadlines.operation_ms=4000"});
-  if (!with_ranks_on(cl.sockets(), std::min(g_gpus, 2), recv_never_sent, 60s)) cl.dump_logs();
+  in_node_and_across(recv_never_sent);
 }
 
 // ---- cutting across nodes with host and GPU ranks (gpu.stage_chunk_bytes) ------
