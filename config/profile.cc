@@ -585,6 +585,9 @@ constexpr std::array kSchema{
     Key{"tcp.chunk_bytes",
         [](N n, Profile& p, C c) { p.tcp.chunk_bytes = as_size(n, c, 4 * KiB, 64 * MiB); },
         [](E e, P p) { e << p.tcp.chunk_bytes; }, "pipelining unit"},
+    Key{"tcp.io_threads",
+        [](N n, Profile& p, C c) { p.tcp.io_threads = as_uint(n, c, 0, 64); },
+        [](E e, P p) { e << p.tcp.io_threads; }, "socket copy threads per direction"},
     Key{"collectives.algorithm",
         [](N n, Profile& p, C c) {
           p.collectives.algorithm =

@@ -89,6 +89,9 @@ struct MemorySection {
 struct TcpSection {
   std::uint32_t streams_per_peer = 0;
   std::uint64_t chunk_bytes = 0;
+  /// Threads per direction that copy chunks of 64 KiB and more to and from
+  /// the peer sockets; 0 = the event loop copies them.
+  std::uint32_t io_threads = 0;
 };
 
 /// How collectives between nodes are done (engine/node_algorithms.h).

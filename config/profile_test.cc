@@ -88,6 +88,7 @@ void check_equal(const cfg::Profile& a, const cfg::Profile& b) {
   CHECK(a.transports == b.transports);
   CHECK(a.tcp.streams_per_peer == b.tcp.streams_per_peer);
   CHECK(a.tcp.chunk_bytes == b.tcp.chunk_bytes);
+  CHECK(a.tcp.io_threads == b.tcp.io_threads);
   REQUIRE(a.verbs.hcas.size() == b.verbs.hcas.size());
   for (std::size_t i = 0; i < a.verbs.hcas.size(); ++i) {
     CHECK(a.verbs.hcas[i].name == b.verbs.hcas[i].name);
@@ -112,7 +113,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   const std::string text(cfg::default_profile_text());
   REQUIRE(!text.empty());
   const std::vector<std::string> keys = cfg::known_keys();
-  CHECK(keys.size() == 41);  // main's 37 + metrics.listen + gpu.stage_chunk_bytes
+  CHECK(keys.size() == 42);  // main's 37 + metrics.listen + gpu.stage_chunk_bytes + tcp.io_threads
   CHECK(keys.front() == "node.name");
   CHECK(keys.back() == "metrics.listen");
   for (const std::string& key : keys) {
@@ -149,6 +150,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
         std::vector<TransportKind>{TransportKind::local, TransportKind::tcp, TransportKind::verbs});
   CHECK(p.tcp.streams_per_peer == 4);
   CHECK(p.tcp.chunk_bytes == 1024 * 1024);
+  CHECK(p.tcp.io_threads == 4);
   CHECK(p.collectives.algorithm == "auto");
   CHECK(p.collectives.direct_max_bytes == 64 * 1024);
   CHECK(p.collectives.pairwise_max_nodes == 4);

@@ -122,6 +122,13 @@ namespace {
 // maximum transfer size): a 1 MiB chunk then costs 16 sendmsg or recv calls
 // and as many trips through the reactor (measured: 4 per 256 KiB message).
 // Whole pieces let the kernel take, in one call, what its socket buffer holds.
+/// A BulkIo result as the error code Asio would have given.
+boost::system::error_code bulk_error(int err) {
+  if (err == 0) return {};
+  if (err < 0) return asio::error::eof;
+  return boost::system::error_code(err, boost::system::system_category());
+}
+
 struct TransferAllLarge {
   std::size_t operator()(const boost::system::error_code& ec, std::size_t /*done*/) const {
     return ec ? 0 : std::size_t{1} << 30;
@@ -171,23 +178,21 @@ void PeerStream::drain() {
         raw_.dest += got;
         raw_.remaining -= got;
         if (raw_.remaining > 0) {
+          auto self = shared_from_this();
+          if (bulk_ != nullptr && raw_.remaining >= BulkIo::kMinBytes) {
+            ++bulk_busy_;
+            bulk_->read(socket_.native_handle(), raw_.dest, raw_.remaining,
+                        [self, ex = socket_.get_executor()](int err, std::size_t n) {
+                          asio::post(ex, [self, err, n] {
+                            self->bulk_finished();
+                            self->on_raw_read(bulk_error(err), n);
+                          });
+                        });
+            return;
+          }
           asio::async_read(socket_, asio::buffer(raw_.dest, raw_.remaining), TransferAllLarge{},
-                           [self = shared_from_this()](const boost::system::error_code& ec,
-                                                       std::size_t n) {
-                             if (self->closed_) return;
-                             if (ec) {
-                               self->fail(Code::unavailable,
-                                          ec == asio::error::eof ||
-                                                  ec == asio::error::connection_reset
-                                              ? "the connection was closed by the other side"
-                                              : "read failed: " + ec.message(),
-                                          false);
-                               return;
-                             }
-                             self->bytes_received_ += n;
-                             self->last_received_ = PeerClock::now();
-                             self->raw_.remaining = 0;
-                             self->drain();
+                           [self](const boost::system::error_code& ec, std::size_t n) {
+                             self->on_raw_read(ec, n);
                            });
           return;
         }
@@ -212,6 +217,29 @@ void PeerStream::drain() {
     return;
   }
   if (!closed_) read_next();
+}
+
+void PeerStream::on_raw_read(const boost::system::error_code& ec, std::size_t n) {
+  if (closed_) return;
+  if (ec) {
+    fail(Code::unavailable,
+         ec == asio::error::eof || ec == asio::error::connection_reset
+             ? "the connection was closed by the other side"
+             : "read failed: " + ec.message(),
+         false);
+    return;
+  }
+  bytes_received_ += n;
+  last_received_ = PeerClock::now();
+  raw_.remaining = 0;
+  drain();
+}
+
+void PeerStream::bulk_finished() {
+  if (--bulk_busy_ == 0 && closed_) {
+    boost::system::error_code ignored;
+    socket_.close(ignored);
+  }
 }
 
 void PeerStream::expect_raw(std::byte* dest, std::uint64_t bytes, std::shared_ptr<void> owner,
@@ -282,22 +310,40 @@ void PeerStream::write_next() {
     return;
   }
   writing_ = true;
+  auto self = shared_from_this();
+  if (bulk_ != nullptr && current_message_ && asio::buffer_size(buffers) >= BulkIo::kMinBytes) {
+    std::vector<iovec> iov;
+    iov.reserve(buffers.size());
+    for (const auto& b : buffers) iov.push_back(iovec{const_cast<void*>(b.data()), b.size()});
+    ++bulk_busy_;
+    bulk_->write(socket_.native_handle(), std::move(iov),
+                 [self, ex = socket_.get_executor()](int err, std::size_t n) {
+                   asio::post(ex, [self, err, n] {
+                     self->bulk_finished();
+                     self->on_written(bulk_error(err), n);
+                   });
+                 });
+    return;
+  }
   asio::async_write(socket_, buffers, TransferAllLarge{},
-                    [self = shared_from_this()](const boost::system::error_code& ec,
-                                                std::size_t n) {
-                      if (self->closed_) return;
-                      if (ec) {
-                        self->fail(Code::unavailable, "write failed: " + ec.message(), false);
-                        return;
-                      }
-                      self->bytes_sent_ += n;
-                      self->current_message_.reset();
-                      if (auto written = std::move(self->current_written_)) {
-                        self->current_written_ = nullptr;
-                        written();
-                      }
-                      self->write_next();
+                    [self](const boost::system::error_code& ec, std::size_t n) {
+                      self->on_written(ec, n);
                     });
+}
+
+void PeerStream::on_written(const boost::system::error_code& ec, std::size_t n) {
+  if (closed_) return;
+  if (ec) {
+    fail(Code::unavailable, "write failed: " + ec.message(), false);
+    return;
+  }
+  bytes_sent_ += n;
+  current_message_.reset();
+  if (auto written = std::move(current_written_)) {
+    current_written_ = nullptr;
+    written();
+  }
+  write_next();
 }
 
 void PeerStream::close_after(std::vector<std::byte> last) {
@@ -333,7 +379,9 @@ void PeerStream::close() {
   writing_ = false;
   boost::system::error_code ignored;
   socket_.shutdown(tcp::socket::shutdown_both, ignored);
-  socket_.close(ignored);
+  // A transfer on a bulk thread ends on the shutdown; the descriptor is
+  // closed once it has (bulk_finished), never under it.
+  if (bulk_busy_ == 0) socket_.close(ignored);
   close_timer_.cancel();
   control_.clear();
   data_.clear();
@@ -504,6 +552,7 @@ void PeerLink::start_stream(std::uint32_t index, tcp::socket socket) {
   boost::system::error_code ignored;
   socket.set_option(tcp::no_delay(true), ignored);
   auto stream = std::make_shared<PeerStream>(std::move(socket), max_frame());
+  stream->set_bulk(options_.bulk);
   stream->index = index;
   streams_[index] = stream;
   PeerIdentity me = options_.local;

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/transport/tcp/bulk_io.h"
 #include "engine/transport/tcp/peer_auth.h"
 #include "engine/transport/transport.h"
 #include "ipc/error.h"
@@ -38,6 +39,11 @@ struct PeerOptions {
   std::string secret_file;     ///< peer.secret_file
   std::uint32_t streams_per_peer = 4;
   std::uint64_t chunk_bytes = 1 << 20;
+  /// tcp.io_threads: threads per direction that copy large chunks to and
+  /// from the sockets (0: the event loop does it).
+  std::uint32_t io_threads = 0;
+  /// The threads (the PeerManager owns them; set when io_threads > 0).
+  BulkIo* bulk = nullptr;
   std::chrono::milliseconds connect_deadline{5000};
   std::chrono::milliseconds heartbeat_interval{1000};
 };
@@ -107,6 +113,9 @@ class PeerStream : public std::enable_shared_from_this<PeerStream> {
   PeerStream& operator=(const PeerStream&) = delete;
 
   void set_sink(std::weak_ptr<StreamSink> sink) { sink_ = std::move(sink); }
+  /// Large raw reads and data writes go to `bulk`'s threads (null: the event
+  /// loop does them). Set before start().
+  void set_bulk(BulkIo* bulk) { bulk_ = bulk; }
   /// Starts reading.
   void start();
   /// Replaces the frame-size limit; only between frames (false otherwise).
@@ -144,6 +153,12 @@ class PeerStream : public std::enable_shared_from_this<PeerStream> {
   void drain();
   void finish_raw();
   void write_next();
+  /// The end of a chunk write, on the event loop (either path).
+  void on_written(const boost::system::error_code& ec, std::size_t n);
+  /// The end of a raw read, on the event loop (either path).
+  void on_raw_read(const boost::system::error_code& ec, std::size_t n);
+  /// A bulk transfer ended: closes the socket if close() waited for it.
+  void bulk_finished();
   void fail(Code code, const std::string& why, bool tell_peer);
 
   boost::asio::ip::tcp::socket socket_;
@@ -165,6 +180,10 @@ class PeerStream : public std::enable_shared_from_this<PeerStream> {
     std::function<void()> done;
   };
   Raw raw_;
+  BulkIo* bulk_ = nullptr;
+  /// Transfers on bulk_'s threads (at most a read and a write): the socket
+  /// stays open until they end, so that they never touch a reused descriptor.
+  int bulk_busy_ = 0;
   bool writing_ = false;
   bool closing_ = false;
   bool closed_ = false;

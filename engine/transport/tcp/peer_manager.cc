@@ -110,6 +110,7 @@ PeerOptions peer_options(const config::Profile& profile, const std::string& daem
   o.secret_file = profile.peer.secret_file;
   o.streams_per_peer = profile.tcp.streams_per_peer;
   o.chunk_bytes = profile.tcp.chunk_bytes;
+  o.io_threads = profile.tcp.io_threads;
   o.connect_deadline = profile.deadlines.connect;
   o.heartbeat_interval = profile.deadlines.heartbeat;
   return o;
@@ -117,6 +118,10 @@ PeerOptions peer_options(const config::Profile& profile, const std::string& daem
 
 PeerManager::PeerManager(asio::io_context& io, PeerOptions options, engine::Logger& log)
     : io_(io), options_(std::move(options)), log_(log), acceptor_(io) {
+  if (options_.io_threads > 0) {
+    bulk_ = std::make_unique<BulkIo>(options_.io_threads);
+    options_.bulk = bulk_.get();
+  }
   if (options_.local.protocol_version != peerwire::PEER_PROTOCOL_VERSION) {
     log_.warn("test_hook", {{"COLLECTIVED_TEST_PEER_VERSION", options_.local.protocol_version},
                             {"real_version", peerwire::PEER_PROTOCOL_VERSION},
@@ -220,6 +225,7 @@ void PeerManager::on_accept(tcp::socket socket) {
   }
   socket.set_option(tcp::no_delay(true), ec);
   auto stream = std::make_shared<PeerStream>(std::move(socket), kHandshakeMaxFrame);
+  stream->set_bulk(options_.bulk);
   PeerIdentity me = options_.local;
   if (options_.listen_any) {
     me.listen_address = host_of(stream->local_text()) + ":" + std::to_string(options_.port);

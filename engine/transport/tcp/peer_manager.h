@@ -152,6 +152,9 @@ class PeerManager final : private PeerLink::Owner {
   boost::asio::io_context& io_;
   PeerOptions options_;
   engine::Logger& log_;
+  /// Copies of large chunks off the event loop (tcp.io_threads > 0). Its
+  /// threads are joined after every link was closed (~PeerManager).
+  std::unique_ptr<BulkIo> bulk_;
   boost::asio::ip::tcp::acceptor acceptor_;
   std::optional<Secret> secret_;
   bool listening_ = false;
