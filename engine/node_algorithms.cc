@@ -141,8 +141,13 @@ class Algorithms {
   /// segment, chunk by chunk, over all nodes in node order (deterministic).
   /// Each node sends (N-1)/N of the data, as in the ring, but in one step
   /// instead of N-1 store-and-forward steps.
+  ///
+  /// `own_out` (optional): where this node's reduced segment goes, as one
+  /// contiguous range, instead of in place in `buf`; `buf` is then only read.
+  /// With one rank on the node, `buf` is that rank's send buffer and
+  /// `own_out` its output: no copy of the whole input before the exchange.
   void pairwise_reduce_scatter(std::byte* buf, const std::vector<Segment>& segs, DType dtype,
-                               RedOp op, std::uint64_t phase) {
+                               RedOp op, std::uint64_t phase, std::byte* own_out = nullptr) {
     if (n_ == 1) return;
     // Start with the next node, so that the nodes do not all send to node 0 first.
     for (int k = 1; k < n_; ++k) {
@@ -162,7 +167,8 @@ class Algorithms {
       }
       for_pieces(buf, mine, from, to, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
         for (int j = 0; j < n_; ++j) srcs[j] = j == i_ ? static_cast<const void*>(p) : in[j].data() + off;
-        reduce(dtype, op, p, srcs.data(), srcs.size(), len / dtype_size(dtype), 1);
+        std::byte* dst = own_out != nullptr ? own_out + from + off : p;
+        reduce(dtype, op, dst, srcs.data(), srcs.size(), len / dtype_size(dtype), 1);
       });
       for (auto& m : in) m = NodePayload{};
     }
@@ -173,8 +179,26 @@ class Algorithms {
   /// Pairwise all-gather: every node sends its segment to every other one, in
   /// chunks, and copies in what it receives as it arrives.
   void pairwise_all_gather(std::byte* buf, const std::vector<Segment>& segs, std::uint64_t phase) {
+    pairwise_all_gather_send(buf, segs, phase);
+    pairwise_all_gather_recv(buf, segs, phase);
+  }
+  /// Its sends. `own_src` (optional): this node's segment is read from there
+  /// (one contiguous range) instead of from `buf`, which it may fill meanwhile.
+  void pairwise_all_gather_send(std::byte* buf, const std::vector<Segment>& segs,
+                                std::uint64_t phase, std::byte* own_src = nullptr) {
     if (n_ == 1) return;
-    for (int k = 1; k < n_; ++k) send_segment(mod(i_ + k), buf, segs[i_], phase, 0);
+    Segment from_src{Range{0, segment_bytes(segs[i_])}};
+    for (int k = 1; k < n_; ++k) {
+      if (own_src != nullptr) {
+        send_segment(mod(i_ + k), own_src, from_src, phase, 0);
+      } else {
+        send_segment(mod(i_ + k), buf, segs[i_], phase, 0);
+      }
+    }
+  }
+  /// Its receives: every other node's segment into `buf`.
+  void pairwise_all_gather_recv(std::byte* buf, const std::vector<Segment>& segs, std::uint64_t phase) {
+    if (n_ == 1) return;
     for (int k = 1; k < n_; ++k) {
       const int j = mod(i_ - k);  // the node that sent to us first
       const std::uint64_t total = segment_bytes(segs[j]);
@@ -423,12 +447,21 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
       return;
     case OpKind::all_reduce: {
       std::byte* w = L[0].recv;
-      local_reduce(w, one);
+      // One rank on the node, pairwise: no local pass (see below).
+      const bool one_rank = L.size() == 1 && !use_direct(one, options) && use_pairwise(n, options) &&
+                            even_segments(op.count, es, n)[me].size() <= 1;
+      if (!one_rank) local_reduce(w, one);
       if (use_direct(one, options)) {
         if (n > 1) algo.direct_all_reduce(w, one, op.dtype, combine, 1);
       } else if (use_pairwise(n, options)) {
         const auto segs = even_segments(op.count, es, n);
-        algo.pairwise_reduce_scatter(w, segs, op.dtype, combine, 1);
+        if (one_rank) {
+          // Read the rank's input in place, reduce into its output.
+          algo.pairwise_reduce_scatter(L[0].send, segs, op.dtype, combine, 1,
+                                       w + (segs[me].empty() ? 0 : segs[me][0].offset));
+        } else {
+          algo.pairwise_reduce_scatter(w, segs, op.dtype, combine, 1);
+        }
         algo.pairwise_all_gather(w, segs, 2);
       } else {
         const auto segs = even_segments(op.count, es, n);
@@ -442,10 +475,22 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
     }
     case OpKind::all_gather: {
       std::byte* w = L[0].recv;
-      pass(one * L.size(), [&] {
-        for (const auto& b : L) copy_bytes(w + b.rank * one, b.send, one);
-      });
       const auto segs = rank_segments(op.node_of_rank, one, n);
+      auto copy_own = [&] {
+        pass(one * L.size(), [&] {
+          for (const auto& b : L) copy_bytes(w + b.rank * one, b.send, one);
+        });
+      };
+      if (L.size() == 1 && !use_direct(one * op.nranks, options) && use_pairwise(n, options)) {
+        // One rank: its input goes out from where it is, and its copy into
+        // the output overlaps the exchange.
+        algo.pairwise_all_gather_send(w, segs, 1, L[0].send);
+        copy_own();
+        algo.pairwise_all_gather_recv(w, segs, 1);
+        copy_to_others(w, one * op.nranks);
+        return;
+      }
+      copy_own();
       if (use_direct(one * op.nranks, options)) {
         algo.direct_all_gather(w, segs, 1);
       } else if (use_pairwise(n, options)) {
@@ -458,6 +503,14 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
     }
     case OpKind::reduce_scatter: {
       const std::uint64_t total = one * op.nranks;
+      if (L.size() == 1 && use_pairwise(n, options)) {
+        // One rank: its input is read in place and its segment reduced
+        // straight into its output (no scratch, no copies).
+        algo.pairwise_reduce_scatter(L[0].send, rank_segments(op.node_of_rank, one, n), op.dtype,
+                                     combine, 1, L[0].recv);
+        finish_avg(L[0].recv, one);
+        return;
+      }
       std::byte* t = ch.scratch(total);
       local_reduce(t, total);
       if (use_pairwise(n, options)) {

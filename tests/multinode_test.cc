@@ -51,6 +51,22 @@ TEST_CASE("the full matrix across 2, 3 and 4 daemons with 1-3 ranks each") {
   }
 }
 
+TEST_CASE("the full matrix on the pairwise paths: one rank per node reads and writes the ranks' buffers in place") {
+  // direct_max_bytes 0: every non-empty operation goes pairwise (up to 4
+  // nodes), in 4 KiB chunks, so the nodes with one rank take the paths that
+  // skip the local pass (node_algorithms.cc), beside nodes with several.
+  const std::vector<std::vector<int>> layouts = {{0, 1}, {0, 1, 2, 2}};
+  for (const auto& layout : layouts) {
+    const int ndaemons = *std::max_element(layout.begin(), layout.end()) + 1;
+    CAPTURE(layout.size());
+    Cluster cl(ndaemons, {"collectives.direct_max_bytes=0", "tcp.chunk_bytes=4KiB"});
+    run_layout(cl, layout, 4099 * 8 * 8 + 256, [](RankCtx& c) {
+      run_matrix(c);
+      return 0;
+    });
+  }
+}
+
 TEST_CASE("large operations take the ring and chain paths and stay correct") {
   Cluster cl(3, {"collectives.direct_max_bytes=4KiB", "tcp.chunk_bytes=64KiB"});
   run_layout(cl, {0, 1, 2, 1}, (1 << 20) * 4 * 4 + 4096, [](RankCtx& c) {
