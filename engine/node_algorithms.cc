@@ -146,8 +146,16 @@ class Algorithms {
   /// contiguous range, instead of in place in `buf`; `buf` is then only read.
   /// With one rank on the node, `buf` is that rank's send buffer and
   /// `own_out` its output: no copy of the whole input before the exchange.
+  ///
+  /// `gather_phase` (optional, all-reduce): each reduced chunk of this node's
+  /// segment goes out at once to every other node as chunk c of a pairwise
+  /// all-gather in that phase (pairwise_all_gather_recv takes them), so the
+  /// all-gather overlaps the reduce-scatter instead of following it.
+  /// `flush`: wait for the sends before returning (the caller overwrites
+  /// what they read); false where nothing they read is written next.
   void pairwise_reduce_scatter(std::byte* buf, const std::vector<Segment>& segs, DType dtype,
-                               RedOp op, std::uint64_t phase, std::byte* own_out = nullptr) {
+                               RedOp op, std::uint64_t phase, std::byte* own_out = nullptr,
+                               std::uint64_t gather_phase = 0, bool flush = true) {
     if (n_ == 1) return;
     // Start with the next node, so that the nodes do not all send to node 0 first.
     for (int k = 1; k < n_; ++k) {
@@ -171,9 +179,18 @@ class Algorithms {
         reduce(dtype, op, dst, srcs.data(), srcs.size(), len / dtype_size(dtype), 1);
       });
       for (auto& m : in) m = NodePayload{};
+      if (gather_phase != 0) {
+        std::vector<std::span<const std::byte>> pieces;
+        if (own_out != nullptr) {
+          pieces.emplace_back(own_out + from, to - from);
+        } else {
+          pieces = pieces_of(buf, mine, from, to);
+        }
+        for (int k = 1; k < n_; ++k) ch_.send(mod(i_ + k), tag_of(base_, gather_phase, 0, c), pieces, nullptr);
+      }
     }
     // The other segments went out in place; the caller overwrites them next.
-    ch_.flush();
+    if (flush) ch_.flush();
   }
 
   /// Pairwise all-gather: every node sends its segment to every other one, in
@@ -455,14 +472,18 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
         if (n > 1) algo.direct_all_reduce(w, one, op.dtype, combine, 1);
       } else if (use_pairwise(n, options)) {
         const auto segs = even_segments(op.count, es, n);
+        // Each reduced chunk goes out at once (phase 2); then the others'
+        // chunks come in. With one rank, its input is read in place and
+        // reduced into its output; out of place, nothing the sends read is
+        // written next, so the receives need not wait for them.
         if (one_rank) {
-          // Read the rank's input in place, reduce into its output.
           algo.pairwise_reduce_scatter(L[0].send, segs, op.dtype, combine, 1,
-                                       w + (segs[me].empty() ? 0 : segs[me][0].offset));
+                                       w + (segs[me].empty() ? 0 : segs[me][0].offset), 2,
+                                       /*flush=*/L[0].send == w);
         } else {
-          algo.pairwise_reduce_scatter(w, segs, op.dtype, combine, 1);
+          algo.pairwise_reduce_scatter(w, segs, op.dtype, combine, 1, nullptr, 2);
         }
-        algo.pairwise_all_gather(w, segs, 2);
+        algo.pairwise_all_gather_recv(w, segs, 2);
       } else {
         const auto segs = even_segments(op.count, es, n);
         algo.ring_reduce_scatter(w, segs, op.dtype, combine, 1);

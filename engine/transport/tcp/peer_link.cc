@@ -179,7 +179,7 @@ void PeerStream::drain() {
         raw_.remaining -= got;
         if (raw_.remaining > 0) {
           auto self = shared_from_this();
-          if (bulk_ != nullptr && raw_.remaining >= BulkIo::kMinBytes) {
+          if (bulk_ != nullptr && raw_.offload && raw_.remaining >= BulkIo::kMinBytes) {
             ++bulk_busy_;
             bulk_->read(socket_.native_handle(), raw_.dest, raw_.remaining,
                         [self, ex = socket_.get_executor()](int err, std::size_t n) {
@@ -243,9 +243,9 @@ void PeerStream::bulk_finished() {
 }
 
 void PeerStream::expect_raw(std::byte* dest, std::uint64_t bytes, std::shared_ptr<void> owner,
-                            std::function<void()> done) {
+                            std::function<void()> done, bool offload) {
   // drain() reads them (and calls `done`) before it decodes another frame.
-  raw_ = Raw{dest, bytes, std::move(owner), std::move(done)};
+  raw_ = Raw{dest, bytes, std::move(owner), std::move(done), offload};
 }
 
 void PeerStream::finish_raw() {
@@ -303,6 +303,7 @@ void PeerStream::write_next() {
       add(piece);
     }
     current_message_ = std::move(c.message);
+    current_offload_ = c.offload;
     current_written_ = std::move(c.written);
   } else {
     writing_ = false;
@@ -311,7 +312,8 @@ void PeerStream::write_next() {
   }
   writing_ = true;
   auto self = shared_from_this();
-  if (bulk_ != nullptr && current_message_ && asio::buffer_size(buffers) >= BulkIo::kMinBytes) {
+  if (bulk_ != nullptr && current_message_ && current_offload_ &&
+      asio::buffer_size(buffers) >= BulkIo::kMinBytes) {
     std::vector<iovec> iov;
     iov.reserve(buffers.size());
     for (const auto& b : buffers) iov.push_back(iovec{const_cast<void*>(b.data()), b.size()});
@@ -902,6 +904,8 @@ void PeerLink::start_send(std::uint64_t channel,
     c.seq = seq;
     c.offset = k * chunk;
     c.length = std::min(chunk, total - c.offset);
+    // Bulk threads only for a stream of data (see on_data).
+    c.offload = chunks > 1 || in_flight_.size() >= 2;
     c.written = [weak, id] {
       auto self = weak.lock();
       if (!self) return;
@@ -971,9 +975,13 @@ void PeerLink::on_data(PeerStream& stream, peerwire::DataChunk::Reader chunk) {
   }
   chunks.emplace_hint(after, offset, offset + raw);
   std::weak_ptr<PeerLink> weak = shared_from_this();
+  // Copied on a bulk thread only while this link carries a stream of data
+  // (a message of several chunks, or several messages at once): a lone
+  // chunk is read sooner on the event loop than handed over and back.
+  const bool offload = total > raw || partial_.size() >= 2;
   stream.expect_raw(it->second.bytes->data() + offset, raw, it->second.bytes, [weak, key, raw] {
     if (auto self = weak.lock()) self->on_raw_done(key, raw);
-  });
+  }, offload);
 }
 
 void PeerLink::on_raw_done(std::pair<std::uint64_t, std::uint64_t> key, std::uint64_t bytes) {

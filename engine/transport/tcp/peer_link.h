@@ -106,6 +106,8 @@ class PeerStream : public std::enable_shared_from_this<PeerStream> {
     std::uint64_t offset = 0;
     std::uint64_t length = 0;
     std::function<void()> written;  ///< called once the chunk is in the socket
+    /// Part of a stream of data: may be written on a bulk thread.
+    bool offload = false;
   };
 
   PeerStream(boost::asio::ip::tcp::socket socket, std::uint64_t max_frame_bytes);
@@ -126,8 +128,9 @@ class PeerStream : public std::enable_shared_from_this<PeerStream> {
   /// From inside StreamSink::on_stream_message for a data frame: the next
   /// `bytes` bytes of the stream are raw chunk bytes, to be read into `dest`
   /// (which `owner` keeps alive); `done` runs once they are there.
+  /// `offload`: part of a stream of data, may be read on a bulk thread.
   void expect_raw(std::byte* dest, std::uint64_t bytes, std::shared_ptr<void> owner,
-                  std::function<void()> done);
+                  std::function<void()> done, bool offload = false);
   /// Drops queued data, writes `last` (a PeerError), then closes (at the
   /// latest after one second).
   void close_after(std::vector<std::byte> last);
@@ -172,12 +175,14 @@ class PeerStream : public std::enable_shared_from_this<PeerStream> {
   std::vector<std::byte> current_frame_;
   std::shared_ptr<const engine::OutMessage> current_message_;
   std::function<void()> current_written_;
+  bool current_offload_ = false;
   // Raw chunk bytes being read (expect_raw).
   struct Raw {
     std::byte* dest = nullptr;
     std::uint64_t remaining = 0;
     std::shared_ptr<void> owner;
     std::function<void()> done;
+    bool offload = false;
   };
   Raw raw_;
   BulkIo* bulk_ = nullptr;

