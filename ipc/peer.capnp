@@ -118,6 +118,8 @@ struct DataChunk {
   total @3 :UInt64;          # bytes of the whole message
   payload @4 :Data;          # unused since protocol 2: must be empty
   raw @5 :UInt64;            # bytes of this chunk, following the frame
+  streaming @6 :Bool;        # the sender has more data queued for this connection:
+                             # a hint that the receiver may copy it on a bulk thread
 }
 
 struct PeerMessage {

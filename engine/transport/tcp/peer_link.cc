@@ -287,6 +287,7 @@ void PeerStream::write_next() {
     d.setOffset(c.offset);
     d.setTotal(c.message->size());
     d.setRaw(c.length);
+    d.setStreaming(c.offload);
     current_frame_ = ipc::encode_frame(b);
     buffers.push_back(asio::buffer(current_frame_));
     // The bytes [offset, offset + length) of head ++ payload.
@@ -975,10 +976,10 @@ void PeerLink::on_data(PeerStream& stream, peerwire::DataChunk::Reader chunk) {
   }
   chunks.emplace_hint(after, offset, offset + raw);
   std::weak_ptr<PeerLink> weak = shared_from_this();
-  // Copied on a bulk thread only while this link carries a stream of data
-  // (a message of several chunks, or several messages at once): a lone
-  // chunk is read sooner on the event loop than handed over and back.
-  const bool offload = total > raw || partial_.size() >= 2;
+  // Copied on a bulk thread only while the sender streams data (it says so:
+  // a message of several chunks, or more messages queued behind this one):
+  // a lone chunk is read sooner on the event loop than handed over and back.
+  const bool offload = chunk.getStreaming() || total > raw;
   stream.expect_raw(it->second.bytes->data() + offset, raw, it->second.bytes, [weak, key, raw] {
     if (auto self = weak.lock()) self->on_raw_done(key, raw);
   }, offload);
