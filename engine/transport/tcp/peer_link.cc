@@ -153,17 +153,22 @@ void PeerStream::read_next() {
                                                       std::size_t n) { self->on_read(ec, n); });
 }
 
-void PeerStream::on_read(const boost::system::error_code& ec, std::size_t n) {
-  if (closed_) return;
+bool PeerStream::read_done(const boost::system::error_code& ec, std::size_t n) {
+  if (closed_) return false;
   if (ec) {
     fail(Code::unavailable, ec == asio::error::eof || ec == asio::error::connection_reset
                                 ? "the connection was closed by the other side"
                                 : "read failed: " + ec.message(),
          false);
-    return;
+    return false;
   }
   bytes_received_ += n;
   last_received_ = PeerClock::now();
+  return true;
+}
+
+void PeerStream::on_read(const boost::system::error_code& ec, std::size_t n) {
+  if (!read_done(ec, n)) return;
   decoder_.commit(n);
   drain();
 }
@@ -220,17 +225,7 @@ void PeerStream::drain() {
 }
 
 void PeerStream::on_raw_read(const boost::system::error_code& ec, std::size_t n) {
-  if (closed_) return;
-  if (ec) {
-    fail(Code::unavailable,
-         ec == asio::error::eof || ec == asio::error::connection_reset
-             ? "the connection was closed by the other side"
-             : "read failed: " + ec.message(),
-         false);
-    return;
-  }
-  bytes_received_ += n;
-  last_received_ = PeerClock::now();
+  if (!read_done(ec, n)) return;
   raw_.remaining = 0;
   drain();
 }

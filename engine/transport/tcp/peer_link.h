@@ -152,6 +152,9 @@ class PeerStream : public std::enable_shared_from_this<PeerStream> {
  private:
   void read_next();
   void on_read(const boost::system::error_code& ec, std::size_t n);
+  /// The end of any read: false (after failing the stream on an error) when
+  /// the caller stops; else the bytes are counted.
+  bool read_done(const boost::system::error_code& ec, std::size_t n);
   /// Hands out what the decoder holds (frames, raw bytes); reads on.
   void drain();
   void finish_raw();
