@@ -118,10 +118,6 @@ PeerStream::PeerStream(tcp::socket socket, std::uint64_t max_frame_bytes)
 }
 
 namespace {
-// Asio's transfer_all() moves at most 64 KiB per system call (its default
-// maximum transfer size): a 1 MiB chunk then costs 16 sendmsg or recv calls
-// and as many trips through the reactor (measured: 4 per 256 KiB message).
-// Whole pieces let the kernel take, in one call, what its socket buffer holds.
 /// A BulkIo result as the error code Asio would have given.
 boost::system::error_code bulk_error(int err) {
   if (err == 0) return {};
@@ -129,6 +125,10 @@ boost::system::error_code bulk_error(int err) {
   return boost::system::error_code(err, boost::system::system_category());
 }
 
+// Asio's transfer_all() moves at most 64 KiB per system call (its default
+// maximum transfer size): a 1 MiB chunk then costs 16 sendmsg or recv calls
+// and as many trips through the reactor (measured: 4 per 256 KiB message).
+// Whole pieces let the kernel take, in one call, what its socket buffer holds.
 struct TransferAllLarge {
   std::size_t operator()(const boost::system::error_code& ec, std::size_t /*done*/) const {
     return ec ? 0 : std::size_t{1} << 30;
