@@ -290,7 +290,10 @@ COLLECTIVE_API void collective_request_free(collective_request_t* request);
  *
  * The _stream calls follow CUDA stream order, like NCCL: the operation runs
  * after the work queued before it on `stream` (a cudaStream_t; NULL: the legacy
- * default stream), and work queued after it waits for it. They never block the
+ * default stream), and work queued after it waits for it; work on other
+ * streams is the caller's to order before it (a cudaMemcpy from pageable host
+ * memory returns before its DMA lands, on the legacy stream, which a
+ * non-blocking `stream` does not wait for). They never block the
  * calling thread on the GPU. Every rank of the communicator must make the same
  * call. The daemon runs the operation with its own kernels over the GPUs' peer
  * mappings (NVLink). `request` may be NULL (nothing to wait for; errors then go

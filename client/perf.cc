@@ -432,6 +432,10 @@ struct Rank {
     if (o.gpu) {
       cuda(g.cu->cuMemcpyHtoD(g.send, hsend, buf_bytes), "cuMemcpyHtoD");
       cuda(g.cu->cuMemcpyHtoD(g.recv, hrecv, buf_bytes), "cuMemcpyHtoD");
+      // Copies from pageable memory return before their DMA lands, and the
+      // operation's stream (non-blocking) would not wait for it: the daemon
+      // could read the old contents (seen with two processes sharing a GPU).
+      cuda(g.cu->cuStreamSynchronize(nullptr), "cuStreamSynchronize (the uploads)");
       auto [dsend, drecv] = buffers(op, in_place, count, es);
       wait_one(submit(op, d, redop, root, count, dsend, drecv), "check run");
       cuda(g.cu->cuStreamSynchronize(g.stream), "cuStreamSynchronize");

@@ -99,6 +99,16 @@ struct GpuRank {
   void ok(cu::Result r, const char* what) const {
     if (r != cu::kSuccess) throw std::runtime_error(std::string(what) + ": " + cu->error_text(r));
   }
+  /// Copies `bytes` from host memory to `dst`, landed when it returns. A
+  /// cuMemcpyHtoD from pageable memory returns once the bytes are staged,
+  /// before its DMA to the GPU is done, and `stream` (non-blocking) does not
+  /// wait for the legacy stream that DMA runs on: an operation submitted next
+  /// could read the old contents. With two daemons time-slicing one GPU
+  /// without MPS, the daemon's copy of the input overtook the DMA.
+  void upload(cu::DevicePtr dst, const void* src, std::size_t bytes, const char* what) const {
+    ok(cu->cuMemcpyHtoD(dst, src, bytes), what);
+    ok(cu->cuStreamSynchronize(nullptr), what);
+  }
   cu::DevicePtr alloc(std::size_t bytes) {
     cu::DevicePtr p = 0;
     ok(cu->cuMemAlloc(&p, bytes < 16 ? 16 : bytes), "cuMemAlloc");
@@ -165,7 +175,7 @@ long run_case(GpuRank& g, Kind k, engine::DType d, engine::RedOp op, std::size_t
   const std::size_t buf = std::max(send_elems * es, recv_bytes);
   cu::DevicePtr dsend = g.alloc(buf), drecv = g.alloc(buf);
   std::vector<std::byte> poison(buf, std::byte{0x5a});
-  g.ok(g.cu->cuMemcpyHtoD(drecv, poison.data(), buf), "poison");
+  g.upload(drecv, poison.data(), buf, "poison");
   cu::DevicePtr s = dsend, rcv = drecv;
   if (in_place) {
     switch (k) {
@@ -175,7 +185,7 @@ long run_case(GpuRank& g, Kind k, engine::DType d, engine::RedOp op, std::size_t
     }
   }
   if (!(k == Kind::broadcast && rank != root)) {
-    g.ok(g.cu->cuMemcpyHtoD(s, in[rank].data(), in[rank].size()), "upload");
+    g.upload(s, in[rank].data(), in[rank].size(), "upload");
   }
   auto* sp = reinterpret_cast<const void*>(s);
   auto* rp = reinterpret_cast<void*>(rcv);
@@ -754,7 +764,7 @@ long p2p_group_case(GpuRank& g, bool host, engine::DType d, std::size_t count, c
     }
     cu::DevicePtr p = g.alloc(alloc);
     std::vector<std::byte> poison(alloc, std::byte{0x5a});
-    g.ok(g.cu->cuMemcpyHtoD(p, data ? data->data() : poison.data(), data ? data->size() : alloc), "upload");
+    g.upload(p, data ? data->data() : poison.data(), data ? data->size() : alloc, "upload");
     return reinterpret_cast<void*>(p);
   };
   for (int peer : to) {
