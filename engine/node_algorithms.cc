@@ -464,14 +464,14 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
       return;
     case OpKind::all_reduce: {
       std::byte* w = L[0].recv;
+      const auto segs = even_segments(op.count, es, n);
       // One rank on the node, pairwise: no local pass (see below).
       const bool one_rank = L.size() == 1 && !use_direct(one, options) && use_pairwise(n, options) &&
-                            even_segments(op.count, es, n)[me].size() <= 1;
+                            segs[me].size() <= 1;
       if (!one_rank) local_reduce(w, one);
       if (use_direct(one, options)) {
         if (n > 1) algo.direct_all_reduce(w, one, op.dtype, combine, 1);
       } else if (use_pairwise(n, options)) {
-        const auto segs = even_segments(op.count, es, n);
         // Each reduced chunk goes out at once (phase 2); then the others'
         // chunks come in. With one rank, its input is read in place and
         // reduced into its output; out of place, nothing the sends read is
@@ -485,7 +485,6 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
         }
         algo.pairwise_all_gather_recv(w, segs, 2);
       } else {
-        const auto segs = even_segments(op.count, es, n);
         algo.ring_reduce_scatter(w, segs, op.dtype, combine, 1);
         algo.ring_all_gather(w, segs, 2);
       }
