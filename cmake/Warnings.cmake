@@ -12,7 +12,8 @@ function(collectived_warnings target)
 endfunction()
 
 # A doctest unit test next to the code it tests: executable `name` from
-# `source`, linked with the libraries given, registered with ctest (label unit).
+# `source`, linked with the libraries given and doctest_main (tests/CMakeLists.txt),
+# registered with ctest (label unit).
 function(collectived_unit_test name source)
   if(NOT COLLECTIVED_TESTS)
     return()
@@ -20,7 +21,7 @@ function(collectived_unit_test name source)
   add_executable(${name} ${source})
   collectived_warnings(${name})
   target_include_directories(${name} SYSTEM PRIVATE ${DOCTEST_INCLUDE_DIR})
-  target_link_libraries(${name} PRIVATE ${ARGN})
+  target_link_libraries(${name} PRIVATE ${ARGN} doctest_main)
   add_test(NAME ${name} COMMAND ${name})
   set_tests_properties(${name} PROPERTIES LABELS unit)
 endfunction()

@@ -3,7 +3,6 @@
 // kernels are the real ones), for many rank layouts, sizes around the chunk
 // and direct/ring thresholds, and every operation, checked against a
 // reference computed here.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include "engine/node_algorithms.h"
 
 #include <doctest/doctest.h>

@@ -1,8 +1,8 @@
 // Bad input on the client socket: each case gets a clear error, and the daemon
 // keeps serving its other clients. Every case runs against a real collectived.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 

@@ -1,6 +1,5 @@
 // libcollective against a real daemon: the C and C++ APIs, thread safety,
 // error messages.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <atomic>

@@ -3,7 +3,6 @@
 // in-place/out-of-place x odd and zero counts, for 2, 3 and 4 ranks; many
 // communicators at once; split; send/recv; mismatches; dead, missing and
 // aborting ranks.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 #include <signal.h>
 #include <sys/mman.h>

@@ -1,8 +1,8 @@
 // collectivectl against real daemons: status with a stuck operation naming the
 // rank that did not arrive (pid, node), doctor with and without a daemon (this
 // machine: no GPU, no HCA), peers pinged by doctor, profile check.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 

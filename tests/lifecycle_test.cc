@@ -1,6 +1,5 @@
 // The collectived executable: command line, profiles, systemd notifications,
 // signals, credentials. Real daemon processes throughout.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -8,6 +7,7 @@
 #include <poll.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <thread>
 
 #include "client/collective.hpp"

@@ -1,7 +1,6 @@
 // The Prometheus endpoint of a real daemon, scraped over TCP and over a Unix
 // socket while real clients run collectives: operations, bytes, latency
 // histograms, errors (a timeout), connections, memory, the oldest operation.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>

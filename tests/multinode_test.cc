@@ -3,7 +3,6 @@
 // (ranks) each. The full correctness matrix, connection sharing, split,
 // send/recv, mismatches, dead ranks, a killed peer daemon and its restart,
 // deadlines, and a daemon with the wrong secret.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 #include <signal.h>
 #include <unistd.h>

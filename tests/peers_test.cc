@@ -2,7 +2,6 @@
 // daemons on distinct loopback addresses (127.0.0.2, .3, .4) stand for nodes.
 // They are reached through the client protocol (PeerPing, Status) and the C
 // API (collective_peer_ping).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 #include <sys/stat.h>
 

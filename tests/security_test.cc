@@ -12,7 +12,6 @@
 // splits, destroys and aborts; forged and stale handles and overflowing
 // ranges in collectives; the socket file's owner and mode; and the uid check
 // per connection for a process that drops privileges.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 #include <fcntl.h>
 #include <sys/mman.h>

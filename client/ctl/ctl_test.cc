@@ -1,7 +1,6 @@
 // Unit tests of collectivectl's printers and doctor checks. The sysfs and
 // /proc trees here are written by the test: this machine has no HCA and no
 // GPU, and the checks must read real hardware's layout right.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 #include <sys/stat.h>
 #include <unistd.h>

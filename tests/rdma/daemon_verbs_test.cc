@@ -10,7 +10,7 @@
 //
 // Both daemons run in one network namespace: on the VM's stable kernel
 // (RDMA_VM_NETNS=single) n0 and n1 are names of the initial namespace.
-#define DOCTEST_CONFIG_IMPLEMENT
+
 #include <doctest/doctest.h>
 #include <signal.h>
 #include <unistd.h>

@@ -2,7 +2,7 @@
 // this process is n0 (rxe0), a verbs_peer process is n1 (rxe1), started in
 // the n1 network namespace of ../shared/rdma-vm. Runs only where RDMA devices
 // exist (ctest -L rdma, inside run-in-vm); elsewhere it exits 77 (skipped).
-#define DOCTEST_CONFIG_IMPLEMENT
+
 #include <doctest/doctest.h>
 
 #include <signal.h>

@@ -1,6 +1,5 @@
 // BulkIo on socket pairs: whole transfers in both directions at once, the end
 // of stream, a transfer ended by shutdown(2), and a stop with one stalled.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include "engine/transport/tcp/bulk_io.h"
 
 #include <doctest/doctest.h>

@@ -1,6 +1,5 @@
 // Unit tests of peer authentication: proofs, the handshake state machine (no
 // sockets: frames are passed by hand), the secret file and peer addresses.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 #include <fcntl.h>
 #include <sys/stat.h>

@@ -1,5 +1,4 @@
 // Runs on machines without an HCA: libibverbs may be present or absent.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <unistd.h>
