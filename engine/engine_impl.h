@@ -720,20 +720,33 @@ struct Engine::Impl {
             changed = true;
             break;
           }
-          if (static_cast<bool>(g->gpu_sync) != static_cast<bool>(h->gpu_sync)) {
-            const std::string why =
-                "mismatched send/recv: rank " + std::to_string(m.rank) + " sends " +
-                (g->gpu_sync ? "GPU" : "host") + " memory to rank " + std::to_string(item.peer) +
-                ", which receives into " + (h->gpu_sync ? "GPU" : "host") +
-                " memory: inside a node both sides of a send/recv take the same kind";
-            fail_group(comm, *g, Code::mismatch, why, out);
-            if (h != g) fail_group(comm, *h, Code::mismatch, why, out);
-            changed = true;
-            break;
+          const bool mixed = static_cast<bool>(g->gpu_sync) != static_cast<bool>(h->gpu_sync);
+          if (mixed) {
+            // One side GPU memory, the other host memory: the GPU side goes
+            // through pinned host staging as it does across nodes (a send's
+            // data is copied out once its stream reaches the group, a
+            // receive's staging is copied back before its group answers);
+            // the pair itself is then an ordinary host copy.
+            const bool gpu_sends = static_cast<bool>(g->gpu_sync);
+            const auto& gg = gpu_sends ? g : h;
+            const std::size_t gk =
+                gpu_sends ? k : static_cast<std::size_t>(match - h->items.begin());
+            if (!gg->items[gk].staging) stage_gpu_item(cp, gg, gk, out);
+            if (gg->failed) {
+              // The host side would otherwise wait for its deadline.
+              const auto& other = gpu_sends ? h : g;
+              fail_group(comm, *other, Code::remote,
+                         "its peer rank " + std::to_string(gg->rank) +
+                             " (GPU buffer) could not be staged on the host",
+                         out);
+              changed = true;
+              break;
+            }
+            if (!gg->items[gk].staged) continue;  // the send's data is not on the host yet
           }
           item.started = true;
           match->started = true;
-          if (g->gpu_sync) {
+          if (g->gpu_sync && !mixed) {
             start_gpu_pair(cp, g, h, item, *match, out);
             changed = true;
             if (g->failed || h->failed) break;
