@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -155,6 +156,11 @@ class Engine {
   void set_node_algorithms(const NodeAlgorithmOptions& options);
   /// A message another node's daemon (at `peer`) sent to this engine.
   void node_message(const std::string& peer, MessageBytes message);
+  /// Where the payload of a node message goes, asked by the transport when
+  /// the message's `head` (the bytes node_message() will get) arrives ahead
+  /// of its `bytes` of payload: the buffer an operation posted for exactly
+  /// that message (NodeChannel::post), or none. Thread-safe.
+  Placement place_node_message(std::span<const std::byte> head, std::uint64_t bytes);
   /// The connection to the daemon at `address` (node `node`) ended: every
   /// communicator spanning it breaks with an error naming it and `why`.
   void node_down(const std::string& address, const std::string& node, const std::string& why);

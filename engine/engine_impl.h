@@ -160,6 +160,16 @@ struct NodeIn {
 struct Executor;
 struct Inbox {
   std::map<std::tuple<std::uint64_t, std::uint64_t, int>, NodeIn> msgs;  // (seq, tag, from node)
+  /// Receive buffers operations posted for messages not here yet (same key).
+  struct Posted {
+    std::byte* dest = nullptr;
+    std::size_t bytes = 0;
+    /// Handed to the transport when it places the message (then `claimed`);
+    /// its release wakes the operation (EngineChannel::retract).
+    std::shared_ptr<void> token;
+    bool claimed = false;
+  };
+  std::map<std::tuple<std::uint64_t, std::uint64_t, int>, Posted> posted;
   std::map<std::tuple<int, int, std::uint64_t>, NodeIn> p2p;  // (from rank, to rank, index)
   std::map<std::uint64_t, Result> failed;  // seq -> why it failed on another node
   std::optional<Result> broken;

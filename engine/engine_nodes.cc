@@ -290,6 +290,65 @@ class EngineChannel final : public NodeChannel {
     }
   }
 
+  void post(int from, std::uint64_t tag, std::span<std::byte> dest) override {
+    // The transport places only large payloads (the peer link: 64 KiB and up).
+    if (dest.size() < 64 * 1024) return;
+    const auto key = std::make_tuple(seq_, tag, from);
+    std::weak_ptr<Executor> wex = comm_->exec;
+    // Released by the transport once it writes no more into `dest` (or here,
+    // unclaimed, by retract): the operation's fiber is woken to look. It keeps
+    // the ranks' mappings too, should the operation not wait (it does).
+    std::shared_ptr<void> token(static_cast<void*>(nullptr), [wex, keep = keep_](void*) {
+      if (auto ex = wex.lock()) Executor::wake(ex);
+    });
+    std::lock_guard lock(I_.mu);
+    Inbox& in = *comm_->inbox;
+    if (in.msgs.count(key) != 0 || in.posted.count(key) != 0) return;  // here already
+    tokens_.push_back(token);
+    posted_.push_back(key);
+    in.posted[key] = Inbox::Posted{dest.data(), dest.size(), std::move(token), false};
+  }
+
+  /// At the end of the operation, whatever its outcome: withdraws the
+  /// buffers it posted, and waits until the transport writes into none of
+  /// them (a placed message still arriving when the operation failed). The
+  /// reads end when their bytes are in or their connection closes (peer
+  /// heartbeats bound that); past the operation budget again it gives up and
+  /// logs it.
+  void retract() {
+    if (posted_.empty()) return;
+    std::vector<std::shared_ptr<void>> unclaimed;  // released outside the lock
+    {
+      std::lock_guard lock(I_.mu);
+      Inbox& in = *comm_->inbox;
+      for (const auto& key : posted_) {
+        const auto it = in.posted.find(key);
+        if (it == in.posted.end()) continue;
+        if (it->second.token) unclaimed.push_back(std::move(it->second.token));
+        in.posted.erase(it);
+      }
+    }
+    posted_.clear();
+    unclaimed.clear();
+    const auto until = Clock::now() + budget_;
+    for (;;) {
+      const auto busy = std::count_if(tokens_.begin(), tokens_.end(),
+                                      [](const std::weak_ptr<void>& t) { return !t.expired(); });
+      if (busy == 0) break;
+      if (Clock::now() >= until) {
+        I_.log.error("placed_receive_stuck",
+                     {{"comm", comm_->name},
+                      {"seq", seq_},
+                      {"receives", busy},
+                      {"reason", "the connection still writes into the operation's buffers "
+                                 "after it ended"}});
+        break;
+      }
+      Executor::wait(*comm_->exec);
+    }
+    tokens_.clear();
+  }
+
   /// The failure came from another node (it was told there already).
   bool remote_failure = false;
 
@@ -312,6 +371,9 @@ class EngineChannel final : public NodeChannel {
   std::shared_ptr<Sends> sends_ = std::make_shared<Sends>();
   std::shared_ptr<const void> keep_;
   std::shared_ptr<const MessageBytes> scratch_;
+  // Receives posted (post): their inbox keys, and the transport's holds.
+  std::vector<std::tuple<std::uint64_t, std::uint64_t, int>> posted_;
+  std::vector<std::weak_ptr<void>> tokens_;
 };
 
 }  // namespace
@@ -877,6 +939,7 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
     code = Code::internal;
     why = e.what();
   }
+  ch.retract();  // no receive writes into the ranks' buffers past this point
   keep.clear();
   std::vector<Delivery> out;
   std::vector<std::function<void()>> next;
@@ -1246,9 +1309,23 @@ void Engine::Impl::handle_node_message(const std::string& peer, MessageBytes byt
         if (cp) progress(cp, out, tasks);
         return;
       }
+      const auto key = std::make_tuple(seq, tag, from_node);
+      if (const auto pp = in.posted.find(key); pp != in.posted.end()) {
+        // Its payload went straight into the buffer the operation posted
+        // (place_node_message); the message here is its head.
+        if (pp->second.claimed && item.payload.size == 0) {
+          item.payload.placed = pp->second.dest;
+          item.payload.size = pp->second.bytes;
+          log.debug("node_receive_placed", {{"comm", cp ? cp->name : uid},
+                                            {"seq", seq},
+                                            {"from_node", from_node},
+                                            {"bytes", pp->second.bytes}});
+        }
+        in.posted.erase(pp);
+      }
       if (cp && cp->is_ended(seq)) return;  // a failed operation's late data
       in.bytes += item.payload.storage.size();
-      in.msgs[{seq, tag, from_node}] = std::move(item);
+      in.msgs[key] = std::move(item);
       notify(in);
       if (cp) check_remote_desc(*cp, seq, out);
       return;
@@ -1421,6 +1498,32 @@ void Engine::node_message(const std::string& peer, MessageBytes message) {
                  {{"peer", peer}, {"reason", std::string(e.getDescription().cStr())}});
     }
   });
+}
+
+Placement Engine::place_node_message(std::span<const std::byte> head, std::uint64_t bytes) {
+  Impl& I = *impl_;
+  std::unique_ptr<Decoded> d;
+  try {
+    d = decode(MessageBytes::copy_of(head));
+    if (d->raw_offset != head.size() || d->msg.which() != nodewire::NodeMessage::DATA) return {};
+    const auto dm = d->msg.getData();
+    if (dm.getP2p()) return {};
+    const std::string uid = text(dm.getUid());
+    const auto key = std::make_tuple(dm.getSeq(), dm.getTag(), static_cast<int>(dm.getFromNode()));
+    std::lock_guard lock(I.mu);
+    const auto it = I.inboxes.find(uid);
+    if (it == I.inboxes.end() || !it->second.first) return {};
+    const auto pp = it->second.first->posted.find(key);
+    if (pp == it->second.first->posted.end() || pp->second.claimed || pp->second.bytes != bytes) {
+      return {};
+    }
+    pp->second.claimed = true;
+    return Placement{pp->second.dest, std::move(pp->second.token)};
+  } catch (const Error&) {
+    return {};  // node_message() refuses it with the reason
+  } catch (const kj::Exception&) {
+    return {};
+  }
 }
 
 void Engine::node_down(const std::string& address, const std::string& node,

@@ -199,11 +199,30 @@ class Algorithms {
     pairwise_all_gather_send(buf, segs, phase);
     pairwise_all_gather_recv(buf, segs, phase);
   }
-  /// Its sends. `own_src` (optional): this node's segment is read from there
-  /// (one contiguous range) instead of from `buf`, which it may fill meanwhile.
+  /// Offers `buf`'s segments of the other nodes to the channel, chunk by
+  /// chunk (where a chunk is one contiguous range), for the all-gather
+  /// messages of `phase`: the transport may read them straight into place.
+  /// Nothing may read or write those segments until they are received.
+  void post_all_gather(std::byte* buf, const std::vector<Segment>& segs, std::uint64_t phase) {
+    for (int k = 1; k < n_; ++k) {
+      const int j = mod(i_ - k);
+      const std::uint64_t total = segment_bytes(segs[j]);
+      for (std::uint64_t c = 0; c < chunks(total); ++c) {
+        const std::uint64_t from = c * chunk_, to = std::min(total, from + chunk_);
+        const auto pieces = pieces_of(buf, segs[j], from, to);
+        if (pieces.size() != 1) continue;
+        ch_.post(j, tag_of(base_, phase, 0, c),
+                 {const_cast<std::byte*>(pieces[0].data()), pieces[0].size()});
+      }
+    }
+  }
+  /// Its sends (after posting its receives). `own_src` (optional): this
+  /// node's segment is read from there (one contiguous range) instead of
+  /// from `buf`, which it may fill meanwhile.
   void pairwise_all_gather_send(std::byte* buf, const std::vector<Segment>& segs,
                                 std::uint64_t phase, std::byte* own_src = nullptr) {
     if (n_ == 1) return;
+    post_all_gather(buf, segs, phase);
     Segment from_src{Range{0, segment_bytes(segs[i_])}};
     for (int k = 1; k < n_; ++k) {
       if (own_src != nullptr) {
@@ -223,8 +242,9 @@ class Algorithms {
         const std::uint64_t from = c * chunk_, to = std::min(total, from + chunk_);
         NodePayload m = ch_.recv(j, tag_of(base_, phase, 0, c));
         expect_size(m, to - from, j);
+        // Nothing to copy where the transport placed it (post_all_gather).
         for_pieces(buf, segs[j], from, to, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
-          std::memcpy(p, m.data() + off, len);
+          copy_bytes(p, m.data() + off, len);
         });
       }
     }
@@ -288,6 +308,11 @@ class Algorithms {
     const int prev = mod(i_ - 1), next = mod(i_ + 1);
     const bool has_next = pos + 1 < n_;
     const std::uint64_t nc = std::max<std::uint64_t>(chunks(bytes), 1);
+    for (std::uint64_t c = 0; pos != 0 && c < nc; ++c) {
+      // Each chunk may be read straight into place, and is forwarded from there.
+      const std::uint64_t from = c * chunk_, len = std::min<std::uint64_t>(bytes - std::min(bytes, from), chunk_);
+      ch_.post(prev, tag_of(base_, phase, 0, c), {buf + from, len});
+    }
     for (std::uint64_t c = 0; c < nc; ++c) {
       const std::uint64_t from = c * chunk_, len = std::min<std::uint64_t>(bytes - std::min(bytes, from), chunk_);
       if (pos == 0) {
@@ -477,6 +502,10 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
         // reduced into its output; out of place, nothing the sends read is
         // written next, so the receives need not wait for them.
         if (one_rank) {
+          // Out of place, nothing reads the output's other segments before
+          // they arrive: they may be received in place. (In place, the
+          // reduce-scatter's sends read them until its end.)
+          if (L[0].send != w) algo.post_all_gather(w, segs, 2);
           algo.pairwise_reduce_scatter(L[0].send, segs, op.dtype, combine, 1,
                                        w + (segs[me].empty() ? 0 : segs[me][0].offset), 2,
                                        /*flush=*/L[0].send == w);

@@ -46,7 +46,10 @@ struct NodePayload {
   MessageBytes storage;
   std::size_t offset = 0;
   std::size_t size = 0;
-  const std::byte* data() const { return storage.data() + offset; }
+  /// Set when the transport read the payload straight into the buffer the
+  /// receiver posted for it (NodeChannel::post): the bytes are there.
+  const std::byte* placed = nullptr;
+  const std::byte* data() const { return placed != nullptr ? placed : storage.data() + offset; }
 };
 
 /// One operation's link to the other nodes of its communicator. Nodes are
@@ -81,6 +84,16 @@ class NodeChannel {
   /// at the operation's deadline, when the communicator broke, or when the
   /// sender's operation does not match this node's (naming both).
   virtual NodePayload recv(int from, std::uint64_t tag) = 0;
+  /// Offers `dest` for the message `from` sends under `tag`, if it carries
+  /// exactly dest.size() bytes: the transport may then read them from the
+  /// network straight into `dest`, and recv() returns a payload whose data()
+  /// is dest.data() (nothing left to copy). Only an offer: a message that
+  /// arrived already, or one the transport does not place, comes as usual.
+  /// The operation leaves `dest` alone until that recv() returns; the
+  /// channel waits for any write into it to end before the operation does.
+  virtual void post(int from, std::uint64_t tag, std::span<std::byte> dest) {
+    (void)from, (void)tag, (void)dest;
+  }
 
   void send(int to, std::uint64_t tag, const void* data, std::size_t bytes,
             std::shared_ptr<const void> owner = nullptr) {

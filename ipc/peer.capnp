@@ -42,7 +42,9 @@ $Cxx.namespace("collectived::peerwire");
 using Wire = import "protocol.capnp";
 
 # 2: data chunks carry their bytes raw after the frame (DataChunk.raw).
-const peerProtocolVersion :UInt32 = 2;
+# 3: a large message's head may travel in every chunk's frame (DataChunk.head),
+#    its raw bytes then being the payload alone.
+const peerProtocolVersion :UInt32 = 3;
 
 # Bytes of each side's nonce.
 const nonceBytes :UInt32 = 32;
@@ -120,6 +122,10 @@ struct DataChunk {
   raw @5 :UInt64;            # bytes of this chunk, following the frame
   streaming @6 :Bool;        # the sender has more data queued for this connection:
                              # a hint that the receiver may copy it on a bulk thread
+  head @7 :Data;             # non-empty: the message's head, the same in every chunk;
+                             # offset/total/raw then count the payload after it only.
+                             # The receiver can place the payload where it belongs
+                             # (an operation's output) before its bytes arrive.
 }
 
 struct PeerMessage {

@@ -76,6 +76,17 @@ struct OutMessage {
   }
 };
 
+/// Where a received message's payload goes instead of a fresh MessageBytes:
+/// the receiver's own buffer (an operation's output), chosen from the
+/// message's head before its bytes arrive, so that they are copied once,
+/// from the socket into place. `dest` null: no placement. The transport holds
+/// `keep` until it writes no more into `dest` (the message complete, or its
+/// connection gone); the owner waits for that before it reuses the memory.
+struct Placement {
+  std::byte* dest = nullptr;
+  std::shared_ptr<void> keep;
+};
+
 class NodeTransport {
  public:
   /// Called once the message is handed to the network (or could not be): from

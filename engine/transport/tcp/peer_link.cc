@@ -20,6 +20,12 @@ namespace {
 
 // Bounds on what one peer may make this daemon hold for reassembly.
 constexpr std::uint64_t kMaxMessageBytes = std::uint64_t{1} << 30;  // one message
+// A message's head goes in every chunk's frame (protocol 3) when it is at
+// most this long and the payload after it at least kPlaceMinBytes: the
+// receiver then learns where the payload belongs before any of it arrives,
+// whichever stream brings the first chunk.
+constexpr std::uint64_t kMaxFrameHead = 4096;
+constexpr std::uint64_t kPlaceMinBytes = 64 * 1024;
 constexpr std::uint64_t kMaxHeldBytes = std::uint64_t{2} << 30;     // all incomplete ones
 // Largest frame accepted after the handshake. Chunk bytes travel after their
 // frame, unframed (DataChunk.raw), so frames stay small whatever
@@ -154,7 +160,12 @@ void PeerStream::read_next() {
 }
 
 bool PeerStream::read_done(const boost::system::error_code& ec, std::size_t n) {
-  if (closed_) return false;
+  if (closed_) {
+    // A raw read ended by the close: its buffers (and a placement's hold on
+    // the receiver's memory) go now, not with the stream object.
+    raw_ = Raw{};
+    return false;
+  }
   if (ec) {
     fail(Code::unavailable, ec == asio::error::eof || ec == asio::error::connection_reset
                                 ? "the connection was closed by the other side"
@@ -280,12 +291,19 @@ void PeerStream::write_next() {
     d.setChannel(c.channel);
     d.setSeq(c.seq);
     d.setOffset(c.offset);
-    d.setTotal(c.message->size());
+    const auto& head = c.message->head;
+    if (c.head_in_frame) {
+      d.setTotal(c.message->size() - head.size());
+      d.setHead(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(head.data()), head.size()));
+    } else {
+      d.setTotal(c.message->size());
+    }
     d.setRaw(c.length);
     d.setStreaming(c.offload);
     current_frame_ = ipc::encode_frame(b);
     buffers.push_back(asio::buffer(current_frame_));
-    // The bytes [offset, offset + length) of head ++ payload.
+    // The bytes [offset, offset + length) of head ++ payload (of the payload
+    // alone when the head is in the frame).
     std::uint64_t pos = 0;
     const std::uint64_t from = c.offset, to = c.offset + c.length;
     auto add = [&](std::span<const std::byte> piece) {
@@ -293,7 +311,7 @@ void PeerStream::write_next() {
       if (a < e) buffers.push_back(asio::buffer(piece.data() + (a - pos), e - a));
       pos += piece.size();
     };
-    add(c.message->head);
+    if (!c.head_in_frame) add(head);
     for (const auto& piece : c.message->payload) {
       if (pos >= to) break;
       add(piece);
@@ -887,8 +905,11 @@ void PeerLink::start_send(std::uint64_t channel,
     });
     return;
   }
+  const std::uint64_t head = message->head.size();
+  const bool head_in_frame = head > 0 && head <= kMaxFrameHead && total - head >= kPlaceMinBytes;
+  const std::uint64_t bytes = head_in_frame ? total - head : total;  // raw, after the frames
   const std::uint64_t chunk = std::max<std::uint64_t>(1, options_.chunk_bytes);
-  const std::uint64_t chunks = total == 0 ? 1 : (total + chunk - 1) / chunk;
+  const std::uint64_t chunks = bytes == 0 ? 1 : (bytes + chunk - 1) / chunk;
   const std::uint64_t seq = send_seq_[channel]++;
   const std::uint64_t id = next_send_id_++;
   in_flight_[id] = InFlight{static_cast<std::size_t>(chunks), std::move(done)};
@@ -899,7 +920,8 @@ void PeerLink::start_send(std::uint64_t channel,
     c.channel = channel;
     c.seq = seq;
     c.offset = k * chunk;
-    c.length = std::min(chunk, total - c.offset);
+    c.length = std::min(chunk, bytes - c.offset);
+    c.head_in_frame = head_in_frame;
     // Bulk threads only for a stream of data (see on_data).
     c.offload = chunks > 1 || in_flight_.size() >= 2;
     c.written = [weak, id] {
@@ -922,13 +944,20 @@ void PeerLink::on_data(PeerStream& stream, peerwire::DataChunk::Reader chunk) {
   const std::uint64_t offset = chunk.getOffset();
   const std::uint64_t total = chunk.getTotal();
   const std::uint64_t raw = chunk.getRaw();
+  const auto head = chunk.getHead();
+  const std::uint64_t hb = head.size();
   const std::string where = " (channel " + std::to_string(channel) + ", message " +
                             std::to_string(seq) + ")";
   if (chunk.hasPayload() && chunk.getPayload().size() != 0) {
     throw Error(Code::protocol, "sent chunk bytes inside the frame (protocol 1), not after it" + where);
   }
-  if (total > kMaxMessageBytes) {
-    throw Error(Code::protocol, "announced a message of " + std::to_string(total) +
+  if (hb > kMaxFrameHead) {
+    throw Error(Code::protocol, "sent a message head of " + std::to_string(hb) +
+                                    " bytes in a chunk frame, beyond the limit of " +
+                                    std::to_string(kMaxFrameHead) + where);
+  }
+  if (total > kMaxMessageBytes - hb) {
+    throw Error(Code::protocol, "announced a message of " + std::to_string(total + hb) +
                                     " bytes, beyond the limit of 1 GiB" + where);
   }
   if (offset > total || raw > total - offset || (raw == 0 && total != 0)) {
@@ -942,40 +971,51 @@ void PeerLink::on_data(PeerStream& stream, peerwire::DataChunk::Reader chunk) {
   if (early_.count(key) != 0) {
     throw Error(Code::protocol, "sent a message twice" + where);
   }
+  const std::span<const std::byte> head_bytes(reinterpret_cast<const std::byte*>(head.begin()), hb);
   if (total == 0) {
     if (partial_.count(key) != 0) throw Error(Code::protocol, "changed the size of a message" + where);
-    complete(key, engine::MessageBytes());
+    complete(key, engine::MessageBytes::copy_of(head_bytes));
     return;
   }
   auto it = partial_.find(key);
   if (it == partial_.end()) {
-    if (held_bytes_ + total > kMaxHeldBytes) {
+    if (held_bytes_ + hb + total > kMaxHeldBytes) {
       throw Error(Code::resource_exhausted,
                   "has more than 2 GiB of incomplete messages outstanding" + where);
     }
+    auto buf = std::make_shared<Partial::Buffers>();
+    // The head came first: the payload may have a place of its own (an
+    // operation's output), and is then read from the socket straight there.
+    if (hb != 0) buf->place = owner_.link_place(*this, channel, head_bytes, total);
     // Not zero-filled, and only the pages the chunks reach are ever touched:
     // announcing a large message costs the sender the bytes it sends.
-    it = partial_.emplace(key, Partial{std::make_shared<engine::MessageBytes>(total), {}, 0}).first;
-    held_bytes_ += total;
-  } else if (it->second.bytes->size() != total) {
-    throw Error(Code::protocol, "changed the size of a message" + where);
+    buf->bytes = engine::MessageBytes(buf->place.dest != nullptr ? hb : hb + total);
+    if (hb != 0) std::memcpy(buf->bytes.data(), head_bytes.data(), hb);
+    held_bytes_ += buf->bytes.size();
+    it = partial_.emplace(key, Partial{buf, total, hb, {}, 0}).first;
+  } else if (it->second.total != total || it->second.head != hb ||
+             (hb != 0 && std::memcmp(it->second.buf->bytes.data(), head_bytes.data(), hb) != 0)) {
+    throw Error(Code::protocol, "changed the size or the head of a message" + where);
   }
+  Partial& p = it->second;
   // Chunks never overlap (each byte is written once, and a message is
   // complete exactly when its bytes are all in: no uninitialized byte is ever
   // delivered).
-  auto& chunks = it->second.chunks;
+  auto& chunks = p.chunks;
   const auto after = chunks.lower_bound(offset);
   if ((after != chunks.end() && after->first < offset + raw) ||
       (after != chunks.begin() && std::prev(after)->second > offset)) {
     throw Error(Code::protocol, "sent overlapping chunks" + where);
   }
   chunks.emplace_hint(after, offset, offset + raw);
+  std::byte* dest = p.buf->place.dest != nullptr ? p.buf->place.dest + offset
+                                                  : p.buf->bytes.data() + p.head + offset;
   std::weak_ptr<PeerLink> weak = shared_from_this();
   // Copied on a bulk thread only while the sender streams data (it says so:
   // a message of several chunks, or more messages queued behind this one):
   // a lone chunk is read sooner on the event loop than handed over and back.
   const bool offload = chunk.getStreaming() || total > raw;
-  stream.expect_raw(it->second.bytes->data() + offset, raw, it->second.bytes, [weak, key, raw] {
+  stream.expect_raw(dest, raw, p.buf, [weak, key, raw] {
     if (auto self = weak.lock()) self->on_raw_done(key, raw);
   }, offload);
 }
@@ -984,11 +1024,12 @@ void PeerLink::on_raw_done(std::pair<std::uint64_t, std::uint64_t> key, std::uin
   const auto it = partial_.find(key);
   if (it == partial_.end()) return;  // the link failed meanwhile
   it->second.received += bytes;
-  const std::uint64_t total = it->second.bytes->size();
-  if (it->second.received < total) return;
-  engine::MessageBytes whole = std::move(*it->second.bytes);
+  if (it->second.received < it->second.total) return;
+  // Placed: the payload is in the receiver's memory already, and the message
+  // delivered is its head.
+  engine::MessageBytes whole = std::move(it->second.buf->bytes);
   partial_.erase(it);
-  held_bytes_ -= total;
+  held_bytes_ -= whole.size();
   complete(key, std::move(whole));
 }
 

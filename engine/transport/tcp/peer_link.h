@@ -14,6 +14,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -108,6 +109,9 @@ class PeerStream : public std::enable_shared_from_this<PeerStream> {
     std::function<void()> written;  ///< called once the chunk is in the socket
     /// Part of a stream of data: may be written on a bulk thread.
     bool offload = false;
+    /// The message's head travels in the frame (DataChunk.head); offset and
+    /// length count its payload only.
+    bool head_in_frame = false;
   };
 
   PeerStream(boost::asio::ip::tcp::socket socket, std::uint64_t max_frame_bytes);
@@ -214,6 +218,14 @@ class PeerLink : public std::enable_shared_from_this<PeerLink>, public StreamSin
                            bool refused) = 0;
     virtual void link_data(PeerLink& link, std::uint64_t channel, std::uint64_t seq,
                            engine::MessageBytes payload) = 0;
+    /// A message whose head came ahead of its `bytes` of payload (a large
+    /// one): where those bytes go, if the channel's receiver has a place for
+    /// them. The message is then delivered (link_data) as its head alone.
+    virtual engine::Placement link_place(PeerLink& link, std::uint64_t channel,
+                                         std::span<const std::byte> head, std::uint64_t bytes) {
+      (void)link, (void)channel, (void)head, (void)bytes;
+      return {};
+    }
     virtual ~Owner() = default;
   };
 
@@ -325,7 +337,15 @@ class PeerLink : public std::enable_shared_from_this<PeerLink>, public StreamSin
 
   // Receiving.
   struct Partial {
-    std::shared_ptr<engine::MessageBytes> bytes;  // shared with the streams reading into it
+    // Shared with the streams reading into it: the reassembly buffer and,
+    // when placed, the receiver's hold on the destination.
+    struct Buffers {
+      engine::MessageBytes bytes;  // the whole message, or its head when placed
+      engine::Placement place;
+    };
+    std::shared_ptr<Buffers> buf;
+    std::uint64_t total = 0;                        // raw bytes of the message
+    std::uint64_t head = 0;                         // head bytes from the frames (protocol 3)
     std::map<std::uint64_t, std::uint64_t> chunks;  // offset -> end, announced so far
     std::uint64_t received = 0;                     // bytes read in
   };

@@ -395,6 +395,25 @@ void PeerManager::link_data(PeerLink& link, std::uint64_t channel, std::uint64_t
   unclaimed_[channel].push_back({link.key(), seq, std::move(payload)});
 }
 
+engine::Placement PeerManager::link_place(PeerLink& link, std::uint64_t channel,
+                                          std::span<const std::byte> head, std::uint64_t bytes) {
+  // Only where the data handler is there too: a message kept for a channel
+  // without one (unclaimed_) must arrive whole.
+  const auto p = placers_.find(channel);
+  if (p == placers_.end() || handlers_.count(channel) == 0) return {};
+  return p->second(link.key(), head, bytes);
+}
+
+void PeerManager::on_place(std::uint64_t channel, PlaceHandler handler) {
+  asio::post(io_, [this, channel, handler = std::move(handler)]() mutable {
+    if (handler) {
+      placers_[channel] = std::move(handler);
+    } else {
+      placers_.erase(channel);
+    }
+  });
+}
+
 void PeerManager::on_data(std::uint64_t channel, DataHandler handler) {
   asio::post(io_, [this, channel, handler = std::move(handler)]() mutable {
     if (!handler) {

@@ -96,6 +96,13 @@ class PeerManager final : private PeerLink::Owner {
   /// Messages that arrive before a handler is registered are kept (up to
   /// 256 MiB in all) and handed to it when it is.
   void on_data(std::uint64_t channel, DataHandler handler);
+  /// Where the payload of a large message of `channel` goes, asked when its
+  /// head arrives ahead of the payload (engine::Placement; the message is
+  /// then handed to the data handler as its head alone). Event-loop thread.
+  using PlaceHandler = std::function<engine::Placement(
+      const std::string& peer, std::span<const std::byte> head, std::uint64_t bytes)>;
+  /// Sets (an empty one removes) `channel`'s placement handler.
+  void on_place(std::uint64_t channel, PlaceHandler handler);
   /// Tells `handler` (one; an empty one removes it) whenever a ready
   /// connection ends, except at shutdown. Event-loop thread.
   void on_peer_down(DownHandler handler) { down_handler_ = std::move(handler); }
@@ -138,6 +145,8 @@ class PeerManager final : private PeerLink::Owner {
                  bool refused) override;
   void link_data(PeerLink& link, std::uint64_t channel, std::uint64_t seq,
                  engine::MessageBytes payload) override;
+  engine::Placement link_place(PeerLink& link, std::uint64_t channel,
+                               std::span<const std::byte> head, std::uint64_t bytes) override;
 
   PeerLink::Owner& owner() { return *this; }
   void accept_next();
@@ -162,6 +171,7 @@ class PeerManager final : private PeerLink::Owner {
   std::map<std::string, Record> records_;
   std::map<Pending*, std::shared_ptr<Pending>> pending_;
   std::map<std::uint64_t, DataHandler> handlers_;
+  std::map<std::uint64_t, PlaceHandler> placers_;
   std::map<std::uint64_t, std::deque<Unclaimed>> unclaimed_;
   std::uint64_t unclaimed_bytes_ = 0;
   DownHandler down_handler_;

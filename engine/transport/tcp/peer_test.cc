@@ -612,6 +612,105 @@ TEST_CASE("bulk copy threads: large messages both ways at once arrive whole and 
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("placement: a large payload is read straight into the receiver's buffer, whole; "
+          "small ones, refused ones and others arrive as usual; a dead link lets go of it") {
+  const std::string dir = temp_dir();
+  const std::string secret_file = dir + "/secret";
+  std::ofstream(secret_file) << "an in-process test secret, 32 bytes+";
+  ::chmod(secret_file.c_str(), 0600);
+  engine::Logger log(config::LogLevel::warn, 2);
+  auto message = [](char kind, std::size_t bytes, unsigned k) {
+    auto m = std::make_shared<engine::OutMessage>();
+    m->head = pattern(100, k);
+    m->head[0] = std::byte(kind);
+    // Two pieces, read in place.
+    auto data = std::make_shared<std::vector<std::byte>>(pattern(bytes, k + 1));
+    const std::size_t half = bytes / 3;
+    m->payload = {std::span<const std::byte>(data->data(), half),
+                  std::span<const std::byte>(data->data() + half, bytes - half)};
+    m->keep = data;
+    return m;
+  };
+  // Made before the managers start: filling 64 MiB here would hold up their
+  // event loop past the heartbeat deadline.
+  const auto huge = message('P', 64 << 20, 5);
+  std::vector<std::byte> dest((3 << 20) + 5), huge_dest(64 << 20);
+  std::vector<std::byte>* target = &dest;
+  boost::asio::io_context io;
+  Node a{"a", "127.0.0.2", {}, {}};
+  Node b{"b", "127.0.0.3", {}, {}};
+  // Bulk threads and 512 KiB chunks over 3 streams: the chunks of one
+  // message arrive on several streams, in any order, some on the threads.
+  start(a, io, log, secret_file, 2, 512 * 1024);
+  start(b, io, log, secret_file, 2, 512 * 1024);
+  std::vector<Received> got;
+  b.manager->on_data(7, [&](const std::string& peer, std::uint64_t channel, std::uint64_t seq,
+                            engine::MessageBytes payload) {
+    got.push_back({peer, channel, seq, bytes_of(payload)});
+  });
+  // The receiver places messages whose head starts with 'P' into *target
+  // when the size is the one it expects.
+  std::vector<std::pair<std::vector<std::byte>, std::uint64_t>> asked;  // head, bytes
+  std::weak_ptr<void> hold;
+  b.manager->on_place(7, [&](const std::string& peer, std::span<const std::byte> head,
+                             std::uint64_t bytes) -> engine::Placement {
+    CHECK(peer == a.address());
+    asked.emplace_back(std::vector<std::byte>(head.begin(), head.end()), bytes);
+    if (head.empty() || head[0] != std::byte{'P'} || bytes != target->size()) return {};
+    auto keep = std::make_shared<int>(0);
+    hold = keep;
+    return {target->data(), keep};
+  });
+  auto whole = [](const engine::OutMessage& m) { return m.flatten(); };
+  const std::size_t big = dest.size();
+  const auto placed = message('P', big, 1);
+  const auto refused = message('Q', big, 2);          // the receiver has no place for it
+  const auto small = message('P', 64 * 1024 - 1, 3);  // below the placement threshold
+  const auto wrong_size = message('P', big + 64, 4);  // not the size the receiver expects
+  int sent = 0;
+  for (const auto& m : {placed, refused, small, wrong_size}) {
+    a.manager->send(b.address(), 7, *m, [&](const PeerResult& r) {
+      CHECK_MESSAGE(r.ok(), r.message);
+      ++sent;
+    });
+  }
+  REQUIRE(run_until(io, [&] { return got.size() == 4 && sent == 4; }, std::chrono::seconds(20)));
+  // Placed: the message delivered is its head; the payload is in `dest`.
+  CHECK(got[0].payload == placed->head);
+  const auto sent_bytes = whole(*placed);
+  CHECK(dest == std::vector<std::byte>(sent_bytes.begin() + placed->head.size(), sent_bytes.end()));
+  CHECK(hold.expired());
+  // The others whole, in order.
+  CHECK(got[1].payload == whole(*refused));
+  CHECK(got[2].payload == whole(*small));
+  CHECK(got[3].payload == whole(*wrong_size));
+  for (unsigned k = 0; k < 4; ++k) CHECK(got[k].seq == k);
+  // Asked once per large message, with its head and payload size.
+  REQUIRE(asked.size() == 3);
+  CHECK(asked[0] == std::make_pair(placed->head, std::uint64_t{big}));
+  CHECK(asked[1] == std::make_pair(refused->head, std::uint64_t{big}));
+  CHECK(asked[2] == std::make_pair(wrong_size->head, std::uint64_t{big + 64}));
+
+  // The sender goes away in the middle of a placed 64 MiB message: the
+  // receiver's hold on `dest` is let go (nothing writes into it any more),
+  // and the message is not delivered.
+  target = &huge_dest;
+  const std::uint64_t before = b.manager->status()[0].bytes_received;
+  std::optional<PeerResult> huge_done;
+  a.manager->send(b.address(), 7, *huge, [&](const PeerResult& r) { huge_done = r; });
+  const bool moving = run_until(io, [&] { return b.manager->status()[0].bytes_received > before + (8u << 20); },
+                    std::chrono::seconds(10));
+  if (huge_done) FAIL_CHECK(huge_done->message);
+  REQUIRE(moving);
+  REQUIRE(asked.size() == 4);
+  CHECK_FALSE(hold.expired());
+  a.manager.reset();
+  REQUIRE(run_until(io, [&] { return hold.expired(); }, std::chrono::seconds(10)));
+  CHECK(got.size() == 4);
+  b.manager.reset();
+  std::filesystem::remove_all(dir);
+}
+
 // Not run by default (`peer_test --no-skip -tc="bench*"`): the data path's
 // throughput between two managers on two event-loop threads, over loopback.
 TEST_CASE("bench: send throughput between two managers" * doctest::skip()) {

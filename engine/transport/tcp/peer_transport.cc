@@ -12,6 +12,10 @@ void PeerTransport::connect(PeerManager& peers, engine::Engine& engine) {
                                           std::uint64_t, engine::MessageBytes payload) {
     engine.node_message(peer, std::move(payload));
   });
+  peers.on_place(kEngineChannel, [&engine](const std::string&, std::span<const std::byte> head,
+                                           std::uint64_t bytes) {
+    return engine.place_node_message(head, bytes);
+  });
   peers.on_peer_down([&engine](const std::string& peer, const std::string& node, Code,
                                const std::string& why) { engine.node_down(peer, node, why); });
 }
