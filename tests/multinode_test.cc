@@ -359,6 +359,62 @@ TEST_CASE("a peer daemon killed mid-operation fails it naming the node; restarte
   run_layout(cl, {0, 1, 1}, 1 << 16, [](RankCtx& c) { return sum_check(c, c.comm, 1000) ? 0 : 1; });
 }
 
+TEST_CASE("a peer daemon killed while large all-gathers stream into the outputs fails the "
+          "operation naming the node; the survivor serves on") {
+  // 16 MiB per rank back to back: most of the time a chunk from node1 is
+  // being read straight into rank 0's output (placed) when node1 dies. The
+  // operation must still end with node1's name, and node0 must not wait for
+  // more than the connection's end before answering.
+  Cluster cl(2, {"log.level=debug"});
+  const std::size_t count = std::size_t{4} << 20;  // int32
+  const std::size_t bytes = count * 4 * 2 + 4096;
+  const auto id = new_id(cl.socket(0));
+  auto gather_until_error = [&](int rank, int max_ops) {
+    RankCtx c = join(cl.socket(rank), id, 2, rank, bytes);
+    for (int k = 0; k < max_ops; ++k) {
+      collective_request_t* req = nullptr;
+      const auto t0 = Clock::now();
+      collective_result_t rc =
+          collective_all_gather(c.comm, c.send, c.recv, count, COLLECTIVE_INT32, &req);
+      if (rc == COLLECTIVE_OK) rc = collective_wait(req, 30000);
+      collective_request_free(req);
+      if (rc == COLLECTIVE_OK) continue;
+      if (rank == 1) return 0;  // its own daemon is gone
+      const char* msg = collective_last_error();
+      if (!contains(msg, "node1")) {
+        std::fprintf(stderr, "expected an error naming node1, got %d: %s\n", rc, msg);
+        return 2;
+      }
+      if (Clock::now() - t0 > 10s) return 3;
+      return 0;
+    }
+    return 5;  // never failed
+  };
+  Child rank0([&] { return gather_until_error(0, 100000); });
+  Child rank1([&] { return gather_until_error(1, 100000); });
+  // Until chunks are being placed on node0 (the path under test), then a
+  // moment more so that the kill lands inside a stream of them.
+  const auto until = Clock::now() + 60s;
+  std::string log0;
+  while (Clock::now() < until) {
+    log0 = cl.nodes[0].daemon->log();
+    if (log0.find("event=node_receive_placed") != std::string::npos) break;
+    std::this_thread::sleep_for(100ms);
+  }
+  std::this_thread::sleep_for(300ms);
+  cl.nodes[1].daemon->signal(SIGKILL);
+  auto s0 = rank0.wait(30s);
+  CHECK(s0.exited);
+  CHECK(s0.code == 0);
+  auto s1 = rank1.wait(30s);
+  CHECK(s1.exited);
+  CHECK(log0.find("event=node_receive_placed") != std::string::npos);
+  // node0 serves a new communicator with a restarted node1.
+  cl.nodes[1].daemon.reset();
+  cl.nodes[1].start(true);
+  run_layout(cl, {0, 1, 1}, 1 << 16, [](RankCtx& c) { return sum_check(c, c.comm, 1000) ? 0 : 1; });
+}
+
 TEST_CASE("a node with the wrong secret cannot join a communicator") {
   Cluster cl(1);
   Node bad;
