@@ -291,8 +291,7 @@ class EngineChannel final : public NodeChannel {
   }
 
   void post(int from, std::uint64_t tag, std::span<std::byte> dest) override {
-    // The transport places only large payloads (the peer link: 64 KiB and up).
-    if (dest.size() < 64 * 1024) return;
+    if (dest.size() < kPlaceMinBytes) return;  // never placed
     const auto key = std::make_tuple(seq_, tag, from);
     std::weak_ptr<Executor> wex = comm_->exec;
     // Released by the transport once it writes no more into `dest` (or here,

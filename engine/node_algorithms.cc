@@ -308,13 +308,15 @@ class Algorithms {
     const int prev = mod(i_ - 1), next = mod(i_ + 1);
     const bool has_next = pos + 1 < n_;
     const std::uint64_t nc = std::max<std::uint64_t>(chunks(bytes), 1);
+    auto len_of = [&](std::uint64_t c) {
+      return std::min<std::uint64_t>(bytes - std::min(bytes, c * chunk_), chunk_);
+    };
     for (std::uint64_t c = 0; pos != 0 && c < nc; ++c) {
       // Each chunk may be read straight into place, and is forwarded from there.
-      const std::uint64_t from = c * chunk_, len = std::min<std::uint64_t>(bytes - std::min(bytes, from), chunk_);
-      ch_.post(prev, tag_of(base_, phase, 0, c), {buf + from, len});
+      ch_.post(prev, tag_of(base_, phase, 0, c), {buf + c * chunk_, len_of(c)});
     }
     for (std::uint64_t c = 0; c < nc; ++c) {
-      const std::uint64_t from = c * chunk_, len = std::min<std::uint64_t>(bytes - std::min(bytes, from), chunk_);
+      const std::uint64_t from = c * chunk_, len = len_of(c);
       if (pos == 0) {
         ch_.send(next, tag_of(base_, phase, 0, c), buf + from, len);
         continue;

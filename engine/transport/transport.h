@@ -86,6 +86,9 @@ struct Placement {
   std::byte* dest = nullptr;
   std::shared_ptr<void> keep;
 };
+/// Payloads smaller than this are never placed (a hand-off to place them
+/// costs more than the copy it saves); receivers need not post for them.
+inline constexpr std::size_t kPlaceMinBytes = 64 * 1024;
 
 class NodeTransport {
  public:

@@ -23,9 +23,8 @@ constexpr std::uint64_t kMaxMessageBytes = std::uint64_t{1} << 30;  // one messa
 // A message's head goes in every chunk's frame (protocol 3) when it is at
 // most this long and the payload after it at least kPlaceMinBytes: the
 // receiver then learns where the payload belongs before any of it arrives,
-// whichever stream brings the first chunk.
+// whichever stream brings the first chunk (engine::kPlaceMinBytes).
 constexpr std::uint64_t kMaxFrameHead = 4096;
-constexpr std::uint64_t kPlaceMinBytes = 64 * 1024;
 constexpr std::uint64_t kMaxHeldBytes = std::uint64_t{2} << 30;     // all incomplete ones
 // Largest frame accepted after the handshake. Chunk bytes travel after their
 // frame, unframed (DataChunk.raw), so frames stay small whatever
@@ -906,7 +905,7 @@ void PeerLink::start_send(std::uint64_t channel,
     return;
   }
   const std::uint64_t head = message->head.size();
-  const bool head_in_frame = head > 0 && head <= kMaxFrameHead && total - head >= kPlaceMinBytes;
+  const bool head_in_frame = head > 0 && head <= kMaxFrameHead && total - head >= engine::kPlaceMinBytes;
   const std::uint64_t bytes = head_in_frame ? total - head : total;  // raw, after the frames
   const std::uint64_t chunk = std::max<std::uint64_t>(1, options_.chunk_bytes);
   const std::uint64_t chunks = bytes == 0 ? 1 : (bytes + chunk - 1) / chunk;
