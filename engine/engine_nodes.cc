@@ -38,8 +38,11 @@ constexpr std::size_t kPrefix = 8;  // [u32 header words][u32 0]
 /// A message: [u32 header words][u32 0][header][raw bytes]. The raw bytes
 /// are `raw`, read in place by the transport (zero copy); `keep` owns them if
 /// they may outlive the sender.
+/// `find_region` names the client mapping a raw piece lies in, if any
+/// (OutMessage::regions).
 OutMessage encode(capnp::MessageBuilder& mb, std::span<const std::span<const std::byte>> raw = {},
-                  std::shared_ptr<const void> keep = nullptr) {
+                  std::shared_ptr<const void> keep = nullptr,
+                  const std::function<HostRegion*(std::span<const std::byte>)>& find_region = {}) {
   const auto words = capnp::messageToFlatArray(mb);
   const auto header = words.asBytes();
   OutMessage out;
@@ -50,9 +53,14 @@ OutMessage encode(capnp::MessageBuilder& mb, std::span<const std::span<const std
   out.head.insert(out.head.end(), pb, pb + kPrefix);
   const auto* hb = reinterpret_cast<const std::byte*>(header.begin());
   out.head.insert(out.head.end(), hb, hb + header.size());
+  bool any_region = false;
   for (const auto& p : raw) {
-    if (!p.empty()) out.payload.push_back(p);
+    if (p.empty()) continue;
+    out.payload.push_back(p);
+    out.regions.push_back(find_region ? find_region(p) : nullptr);
+    any_region = any_region || out.regions.back() != nullptr;
   }
+  if (!any_region) out.regions.clear();
   out.keep = std::move(keep);
   return out;
 }
@@ -147,8 +155,17 @@ class EngineChannel final : public NodeChannel {
     std::shared_ptr<const void> op, scratch, owner;
   };
 
-  /// Memory that the operation's sends read from and that must outlive them.
-  void keep_alive(std::shared_ptr<const void> op) { keep_ = std::move(op); }
+  /// Memory that the operation's sends read from and that must outlive them:
+  /// the ranks' buffers. Pieces sent from them name their client mapping
+  /// (OutMessage::regions), so a transport may read them in place.
+  void keep_alive(std::shared_ptr<const std::vector<Span>> spans) {
+    regions_.clear();
+    for (const Span& sp : *spans) {
+      if (!sp.reg || sp.reg->device) continue;
+      if (HostRegion* r = sp.reg->mapping.region()) regions_.push_back(r);
+    }
+    keep_ = std::move(spans);
+  }
 
   void send(int to, std::uint64_t tag, std::span<const std::span<const std::byte>> pieces,
             std::shared_ptr<const void> owner) override {
@@ -172,7 +189,13 @@ class EngineChannel final : public NodeChannel {
       ++sends_->outstanding;
       ++sends_->by_node[to];
     }
-    I_.send_node(comm_->node_address[to], encode(mb, pieces, std::move(keep)),
+    auto find_region = [this](std::span<const std::byte> piece) -> HostRegion* {
+      for (HostRegion* r : regions_) {
+        if (r->contains(piece.data(), piece.size())) return r;
+      }
+      return nullptr;
+    };
+    I_.send_node(comm_->node_address[to], encode(mb, pieces, std::move(keep), find_region),
                  [sends = sends_, to, node = comm_->node_text(to)](Code code, const std::string& why) {
                    std::lock_guard l(sends->mu);
                    --sends->outstanding;
@@ -369,6 +392,7 @@ class EngineChannel final : public NodeChannel {
   std::chrono::milliseconds budget_;
   std::shared_ptr<Sends> sends_ = std::make_shared<Sends>();
   std::shared_ptr<const void> keep_;
+  std::vector<HostRegion*> regions_;  // of the memory keep_ holds
   std::shared_ptr<const MessageBytes> scratch_;
   // Receives posted (post): their inbox keys, and the transport's holds.
   std::vector<std::tuple<std::uint64_t, std::uint64_t, int>> posted_;
@@ -1069,7 +1093,9 @@ void Engine::Impl::start_remote_item(const std::shared_ptr<Comm>& cp,
       d.setFromNode(static_cast<std::uint32_t>(cp->my_node));
       const std::span<const std::byte> piece(span.ptr, span.bytes);
       // Read in place; the registration keeps the mapping alive until sent.
-      auto bytes = encode(mb, std::span<const std::span<const std::byte>>(&piece, 1), span.reg);
+      HostRegion* region = span.reg && !span.reg->device ? span.reg->mapping.region() : nullptr;
+      auto bytes = encode(mb, std::span<const std::span<const std::byte>>(&piece, 1), span.reg,
+                          [region](std::span<const std::byte>) { return region; });
       NodeTransport* t = transport.load();
       if (!t) return;
       // The send is done (eagerly) once the bytes are in the connection.

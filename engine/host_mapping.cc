@@ -46,19 +46,29 @@ HostMapping HostMapping::map_memfd(UniqueFd fd, std::uint64_t size) {
 }
 
 HostMapping::HostMapping(HostMapping&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      region_(std::move(other.region_)) {}
 
 HostMapping& HostMapping::operator=(HostMapping&& other) noexcept {
   if (this != &other) {
-    if (data_ != nullptr) ::munmap(data_, size_);
+    release();
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
+    region_ = std::move(other.region_);
   }
   return *this;
 }
 
-HostMapping::~HostMapping() {
+HostMapping::~HostMapping() { release(); }
+
+void HostMapping::release() {
+  // Registrations of this memory (an HCA's MR) go first: once it is unmapped a
+  // new mapping may take its address, and must never be served them.
+  region_.reset();
   if (data_ != nullptr) ::munmap(data_, size_);
+  data_ = nullptr;
+  size_ = 0;
 }
 
 }  // namespace collectived::engine

@@ -3,13 +3,16 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
+#include "engine/transport/host_region.h"
 #include "ipc/fd.h"
 
 namespace collectived::engine {
 
 /// Owns a MAP_SHARED mapping of a client's memfd. Move-only; unmaps on
-/// destruction.
+/// destruction, after it destroyed its region() (and with it what transports
+/// registered of it).
 class HostMapping {
  public:
   /// Validates and maps `size` bytes of `fd`:
@@ -31,11 +34,17 @@ class HostMapping {
 
   std::byte* data() const { return data_; }
   std::uint64_t size() const { return size_; }
+  /// The mapping as transports see it (null for an empty mapping). Its
+  /// address does not change when the mapping is moved.
+  HostRegion* region() const { return region_.get(); }
 
  private:
-  HostMapping(std::byte* data, std::uint64_t size) : data_(data), size_(size) {}
+  HostMapping(std::byte* data, std::uint64_t size)
+      : data_(data), size_(size), region_(std::make_unique<HostRegion>(data, size)) {}
+  void release();
   std::byte* data_ = nullptr;
   std::uint64_t size_ = 0;
+  std::unique_ptr<HostRegion> region_;
 };
 
 }  // namespace collectived::engine

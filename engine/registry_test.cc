@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <memory>
+#include <string>
 
 #include "engine/log.h"
 #include "ipc/error.h"
@@ -42,6 +44,48 @@ TEST_CASE("a sealed memfd maps and shares bytes with the client's view") {
   std::memcpy(client, "hello", 6);
   CHECK(std::strcmp(reinterpret_cast<const char*>(m.data()), "hello") == 0);
   ::munmap(client, 8192);
+}
+
+TEST_CASE("a mapping's region: transports attach once, and lose it before the unmap") {
+  UniqueFd fd = sealed_memfd(8192);
+  HostMapping m = HostMapping::map_memfd(std::move(fd), 8192);
+  HostRegion* region = m.region();
+  REQUIRE(region != nullptr);
+  CHECK(region->base() == m.data());
+  CHECK(region->size() == 8192);
+  CHECK(region->contains(m.data(), 8192));
+  CHECK(region->contains(m.data() + 4096, 4096));
+  CHECK_FALSE(region->contains(m.data() + 4096, 4097));
+  CHECK_FALSE(region->contains(m.data() - 1, 1));
+  std::memcpy(m.data(), "still mapped", 13);
+
+  // What an attachment's destructor sees: the memory must still be readable
+  // there (a transport deregisters its MR before the kernel may reuse the range).
+  struct Probe {
+    const std::byte* at;
+    std::string* seen;
+    ~Probe() { *seen = reinterpret_cast<const char*>(at); }
+  };
+  std::string seen;
+  int made = 0;
+  auto make = [&] {
+    ++made;
+    return std::shared_ptr<void>(new Probe{m.data(), &seen});
+  };
+  const int key = 0;
+  CHECK(region->attach(&key, make));
+  CHECK_FALSE(region->attach(&key, make));  // one per key
+  CHECK(made == 1);
+  CHECK(region->attachments() == 1);
+  CHECK_THROWS(region->attach(&made, []() -> std::shared_ptr<void> { throw Error(Code::system, "x"); }));
+  CHECK(region->attachments() == 1);  // a failed attach leaves nothing
+
+  HostMapping moved = std::move(m);  // the region (and its address) moves along
+  CHECK(moved.region() == region);
+  CHECK(m.region() == nullptr);
+  CHECK(seen.empty());
+  moved = HostMapping();  // unmaps: the probe ran first and read the bytes
+  CHECK(seen == "still mapped");
 }
 
 TEST_CASE("descriptors that are not sealed memfds are refused with a reason") {

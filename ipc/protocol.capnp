@@ -310,6 +310,11 @@ struct VerbsStatus {
   device @2 :Text;               # "rxe0 port 1 (Ethernet, RoCE v2 gid 1 ..., mtu 1024, pool 64 MiB)"
   gpuDirect @3 :Text;            # the GPU memory path: "peer memory", "dma-buf" or "host staging"
   gpuDirectReason @4 :Text;
+  poolBytes @5 :UInt64;          # the registered pool (memory.host_pool_bytes), registered once
+  poolInUse @6 :UInt64;
+  mrCacheEntries @7 :UInt64;     # client mappings registered now (verbs.mr_cache_entries at most)
+  mrCacheHits @8 :UInt64;
+  mrCacheMisses @9 :UInt64;      # registrations made
 }
 
 # One peer's verbs connection (PeerInfo.verbs).
@@ -321,6 +326,10 @@ struct VerbsPeer {
   bytesWritten @4 :UInt64;
   writes @5 :UInt64;
   creditStalls @6 :UInt64;
+  inPlaceMessages @7 :UInt64;    # messages whose payload was written from the client's registered memory
+  inPlaceBytes @8 :UInt64;       # payload bytes written that way (no copy into the pool)
+  stagedBytes @9 :UInt64;        # bytes copied into the registered pool first (heads, scratch, small pieces)
+  inPlaceError @10 :Text;        # why client memory could not be registered (then it is copied); "" if it could
 }
 
 # Asks the daemon to reach another node's daemon: opens the connection if

@@ -64,6 +64,10 @@ DaemonStatus from_wire(wire::StatusReply::Reader s) {
       r.verbs_queue_pairs = v.getQueuePairs();
       r.verbs_pairs = v.getPairs();
       r.verbs_error = v.getError();
+      r.verbs_in_place_messages = v.getInPlaceMessages();
+      r.verbs_in_place_bytes = v.getInPlaceBytes();
+      r.verbs_staged_bytes = v.getStagedBytes();
+      r.verbs_in_place_error = v.getInPlaceError();
     }
     d.peers.push_back(std::move(r));
   }
@@ -74,6 +78,11 @@ DaemonStatus from_wire(wire::StatusReply::Reader s) {
     d.verbs_device = v.getDevice();
     d.gpudirect = v.getGpuDirect();
     d.gpudirect_reason = v.getGpuDirectReason();
+    d.verbs_pool_bytes = v.getPoolBytes();
+    d.verbs_pool_in_use = v.getPoolInUse();
+    d.mr_cache_entries = v.getMrCacheEntries();
+    d.mr_cache_hits = v.getMrCacheHits();
+    d.mr_cache_misses = v.getMrCacheMisses();
   }
   d.peer_address = s.getPeerAddress();
   for (auto c : s.getComms()) {

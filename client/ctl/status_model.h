@@ -39,6 +39,10 @@ struct PeerRow {
   std::string verbs_queue_pairs;  ///< device, QP numbers, MTU, slots
   std::uint32_t verbs_pairs = 0;  ///< built since start (1 + rebuilds)
   std::string verbs_error;
+  std::uint64_t verbs_in_place_messages = 0;  ///< payloads written from client memory
+  std::uint64_t verbs_in_place_bytes = 0;
+  std::uint64_t verbs_staged_bytes = 0;       ///< copied into the pool first
+  std::string verbs_in_place_error;           ///< why client memory could not be registered
 };
 
 struct RankRow {
@@ -83,6 +87,8 @@ struct DaemonStatus {
   std::vector<PeerRow> peers;
   bool verbs_enabled = false;
   std::string verbs_reason, verbs_device, gpudirect, gpudirect_reason;
+  std::uint64_t verbs_pool_bytes = 0, verbs_pool_in_use = 0;
+  std::uint64_t mr_cache_entries = 0, mr_cache_hits = 0, mr_cache_misses = 0;
   std::vector<CommRow> comms;
 };
 

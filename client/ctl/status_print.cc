@@ -95,6 +95,22 @@ void json_comms(Json& j, const DaemonStatus& s) {
   j.end_array();
 }
 
+void json_verbs(Json& j, const DaemonStatus& s) {
+  j.key("verbs")
+      .begin_object()
+      .field("enabled", s.verbs_enabled)
+      .field("reason", s.verbs_reason)
+      .field("device", s.verbs_device)
+      .field("gpudirect", s.gpudirect)
+      .field("gpudirect_reason", s.gpudirect_reason)
+      .field("pool_bytes", s.verbs_pool_bytes)
+      .field("pool_in_use", s.verbs_pool_in_use)
+      .field("mr_cache_entries", s.mr_cache_entries)
+      .field("mr_cache_hits", s.mr_cache_hits)
+      .field("mr_cache_misses", s.mr_cache_misses)
+      .end_object();
+}
+
 void json_peers(Json& j, const DaemonStatus& s) {
   j.key("peers").begin_array();
   for (const auto& p : s.peers) {
@@ -110,6 +126,10 @@ void json_peers(Json& j, const DaemonStatus& s) {
         .field("verbs_queue_pairs", p.verbs_queue_pairs)
         .field("verbs_pairs", p.verbs_pairs)
         .field("verbs_error", p.verbs_error)
+        .field("verbs_in_place_messages", p.verbs_in_place_messages)
+        .field("verbs_in_place_bytes", p.verbs_in_place_bytes)
+        .field("verbs_staged_bytes", p.verbs_staged_bytes)
+        .field("verbs_in_place_error", p.verbs_in_place_error)
         .field("bytes_sent", p.bytes_sent)
         .field("bytes_received", p.bytes_received)
         .field("rtt_us", p.rtt_us)
@@ -168,6 +188,10 @@ std::string verbs_details(const DaemonStatus& s) {
   if (s.verbs_enabled) {
     out += "verbs: " + s.verbs_device + "; GPU memory: " + s.gpudirect +
            (s.gpudirect_reason.empty() ? "" : " (" + s.gpudirect_reason + ")") + "\n";
+    out += "  pool " + std::to_string(s.verbs_pool_in_use) + " of " +
+           std::to_string(s.verbs_pool_bytes) + " B in use; client mappings registered " +
+           std::to_string(s.mr_cache_entries) + " (" + std::to_string(s.mr_cache_misses) +
+           " registrations, " + std::to_string(s.mr_cache_hits) + " reuses)\n";
   } else if (!s.verbs_reason.empty()) {
     out += "verbs: not used: " + s.verbs_reason + "\n";
   }
@@ -175,6 +199,11 @@ std::string verbs_details(const DaemonStatus& s) {
     if (p.has_verbs) {
       out += "  " + p.address + ": " +
              (p.verbs_queue_pairs.empty() ? std::string("no queue pairs") : p.verbs_queue_pairs) +
+             "; sent in place " + std::to_string(p.verbs_in_place_bytes) + " B in " +
+             std::to_string(p.verbs_in_place_messages) + " messages, staged " +
+             std::to_string(p.verbs_staged_bytes) + " B" +
+             (p.verbs_in_place_error.empty() ? "" : " (client memory not registered: " +
+                                                        p.verbs_in_place_error + ")") +
              (p.verbs_error.empty() ? "" : "; last error: " + p.verbs_error) + "\n";
     } else if (!p.transport_reason.empty() && p.transport == "tcp") {
       out += "  " + p.address + ": tcp: " + p.transport_reason + "\n";
@@ -239,6 +268,7 @@ std::string print_status(const DaemonStatus& s, bool json) {
     json_clients(j, s);
     json_comms(j, s);
     json_peers(j, s);
+    json_verbs(j, s);
     j.end_object();
     return j.str();
   }
@@ -307,6 +337,7 @@ std::string print_peers(const DaemonStatus& s, bool json) {
     Json j;
     j.begin_object().field("node", s.node).field("peer_address", s.peer_address);
     json_peers(j, s);
+    json_verbs(j, s);
     j.end_object();
     return j.str();
   }

@@ -587,6 +587,10 @@ void SelectingTransport::fill_status(wire::StatusReply::Builder status) const {
       o.setBytesWritten(v->second.stats.bytes_written);
       o.setWrites(v->second.stats.writes_posted);
       o.setCreditStalls(v->second.stats.credit_stalls);
+      o.setInPlaceMessages(v->second.in_place_messages);
+      o.setInPlaceBytes(v->second.in_place_bytes);
+      o.setStagedBytes(v->second.staged_bytes);
+      o.setInPlaceError(v->second.in_place_error.c_str());
     }
   }
   auto v = status.initVerbs();
@@ -594,6 +598,14 @@ void SelectingTransport::fill_status(wire::StatusReply::Builder status) const {
   v.setReason(verbs_ ? "verbs is listed before tcp; tcp serves peers that cannot use it"
                      : verbs_reason_.c_str());
   v.setDevice(device_text_.c_str());
+  if (device_) {
+    const verbs::DeviceStats ds = device_->stats();
+    v.setPoolBytes(ds.pool_bytes);
+    v.setPoolInUse(ds.pool_in_use);
+    v.setMrCacheEntries(ds.mr_cache_entries);
+    v.setMrCacheHits(ds.mr_cache_hits);
+    v.setMrCacheMisses(ds.mr_cache_misses);
+  }
   v.setGpuDirect(gpudirect_route_.c_str());
   v.setGpuDirectReason(gpudirect_reason_.c_str());
 }

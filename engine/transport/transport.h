@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/transport/host_region.h"
 #include "ipc/error.h"
 
 namespace collectived::engine {
@@ -60,6 +61,11 @@ struct OutMessage {
   /// Owns the memory `payload` points into, where the sender may go away
   /// before the send is done (the transport holds it until then).
   std::shared_ptr<const void> keep;
+  /// Empty, or one entry per `payload` piece: the client mapping the piece
+  /// lies in (null: memory of the daemon's own, such as scratch). A transport
+  /// that registers memory with hardware may register the region once and
+  /// read the piece in place; `keep` holds the mapping until Done.
+  std::vector<HostRegion*> regions;
 
   std::size_t size() const {
     std::size_t n = head.size();

@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "client/collective.h"
+#include "engine/transport/verbs/verbs_node_transport.h"
 #include "tests/support/collective_check.h"
 #include "tests/support/harness.h"
 #include "tests/support/nodes.h"
@@ -87,6 +88,8 @@ struct VerbsRow {
   bool healthy = false;
   std::uint32_t pairs = 0;
   std::uint64_t writes = 0;
+  std::uint64_t in_place_messages = 0, in_place_bytes = 0, staged_bytes = 0;
+  std::string in_place_error;
 };
 
 VerbsRow verbs_row(const Node& from, const Node& to) {
@@ -107,9 +110,26 @@ VerbsRow verbs_row(const Node& from, const Node& to) {
       r.queue_pairs = v.getQueuePairs().cStr();
       r.error = v.getError().cStr();
       r.writes = v.getWrites();
+      r.in_place_messages = v.getInPlaceMessages();
+      r.in_place_bytes = v.getInPlaceBytes();
+      r.staged_bytes = v.getStagedBytes();
+      r.in_place_error = v.getInPlaceError().cStr();
     }
   }
   return r;
+}
+
+/// The node's registrations of client memory (StatusReply.verbs).
+struct MrCacheRow {
+  std::uint64_t entries = 0, hits = 0, misses = 0;
+};
+
+MrCacheRow mr_cache(const Node& n) {
+  auto c = client_of(n);
+  auto f = c->status();
+  REQUIRE(f);
+  auto v = f->message().getStatusReply().getVerbs();
+  return {v.getMrCacheEntries(), v.getMrCacheHits(), v.getMrCacheMisses()};
 }
 
 bool verbs_enabled(const Node& n, std::string* device = nullptr) {
@@ -149,6 +169,14 @@ TEST_CASE("verbs carries the full matrix between two daemons; a second communica
   CHECK(b.pairs == 1);
   CHECK(a.writes > 0);
   CHECK(a.queue_pairs.find("qpn") != std::string::npos);
+  // Payloads of 16 KiB and more in the clients' buffers were written from
+  // them (registered once per mapping), not copied into the pool first.
+  MESSAGE("n0 -> n1: " << a.in_place_messages << " messages (" << a.in_place_bytes
+                       << " B) in place, " << a.staged_bytes << " B staged");
+  CHECK(a.in_place_messages > 0);
+  CHECK(b.in_place_messages > 0);
+  CHECK(a.in_place_bytes >= a.in_place_messages * verbs::kInPlaceMinBytes);
+  CHECK(a.in_place_error == "");
   CHECK(cl.nodes[0].daemon->log().find("verbs_connected") != std::string::npos);
 
   // Connection reuse: another communicator over the same two nodes opens no
@@ -158,6 +186,73 @@ TEST_CASE("verbs carries the full matrix between two daemons; a second communica
   CHECK(a2.pairs == 1);
   CHECK(a2.queue_pairs == a.queue_pairs);
   CHECK(a2.writes > a.writes);
+}
+
+// Client memory is registered with the HCA once per mapping and written from
+// in place. Each round maps new buffers, which the daemon's mmap tends to place
+// where the previous round's were: were a registration of a freed mapping kept
+// (keyed by address), the new round would send the old pages' bytes.
+TEST_CASE("client buffers are written in place; a freed mapping's registration goes with it") {
+  VerbsCluster cl;
+  REQUIRE(verbs_enabled(cl.nodes[0]));
+  constexpr std::size_t kCount = 48 * 1024;  // int32: 192 KiB per rank
+  constexpr int kRounds = 4;
+  run_verbs_layout(cl, {0, 1}, 4096, [](RankCtx& c) {
+    for (int round = 0; round < kRounds; ++round) {
+      void* s = nullptr;
+      void* r = nullptr;
+      if (collective_host_alloc(c.client, kCount * 4, &s) != COLLECTIVE_OK ||
+          collective_host_alloc(c.client, 2 * kCount * 4, &r) != COLLECTIVE_OK) {
+        c.report(std::string("host_alloc: ") + collective_last_error());
+        return 1;
+      }
+      auto* in = static_cast<std::int32_t*>(s);
+      for (std::size_t i = 0; i < kCount; ++i) {
+        in[i] = round * 1000003 + c.rank * 7919 + static_cast<std::int32_t>(i);
+      }
+      collective_request_t* req = nullptr;
+      collective_result_t rc = collective_all_gather(c.comm, s, r, kCount, COLLECTIVE_INT32, &req);
+      if (rc == COLLECTIVE_OK) rc = collective_wait(req, kWaitMs);
+      collective_request_free(req);
+      if (rc != COLLECTIVE_OK) {
+        c.report(std::string("all_gather: ") + collective_last_error());
+        return 1;
+      }
+      const auto* out = static_cast<const std::int32_t*>(r);
+      for (int q = 0; q < 2; ++q) {
+        for (std::size_t i = 0; i < kCount; ++i) {
+          const std::int32_t want = round * 1000003 + q * 7919 + static_cast<std::int32_t>(i);
+          if (out[q * kCount + i] != want) {
+            c.report("round " + std::to_string(round) + ": rank " + std::to_string(q) +
+                     "'s element " + std::to_string(i) + " is " +
+                     std::to_string(out[q * kCount + i]) + ", expected " + std::to_string(want));
+            return 1;
+          }
+        }
+      }
+      collective_host_free(c.client, s);
+      collective_host_free(c.client, r);
+    }
+    return 0;
+  });
+  for (int i = 0; i < 2; ++i) {
+    const VerbsRow row = verbs_row(cl.nodes[i], cl.nodes[1 - i]);
+    CAPTURE(i);
+    CHECK(row.in_place_messages >= kRounds);
+    CHECK(row.in_place_bytes >= kRounds * kCount * 4);
+    // Every round's mapping was registered anew (the old one was dropped when
+    // its buffer was freed), and once the clients are gone nothing stays
+    // registered (pinned) for them.
+    MrCacheRow mr = mr_cache(cl.nodes[i]);
+    for (int k = 0; k < 100 && mr.entries != 0; ++k) {
+      std::this_thread::sleep_for(50ms);
+      mr = mr_cache(cl.nodes[i]);
+    }
+    MESSAGE("node n" << i << ": " << mr.misses << " registrations, " << mr.hits << " reuses, "
+                     << mr.entries << " left");
+    CHECK(mr.misses >= kRounds);
+    CHECK(mr.entries == 0);
+  }
 }
 
 // Every message in flight on the broken pair must fail or arrive: rank 0's

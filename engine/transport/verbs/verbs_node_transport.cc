@@ -1,10 +1,12 @@
 #include "engine/transport/verbs/verbs_node_transport.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <optional>
 #include <thread>
+#include <utility>
 
 #include "ipc/error.h"
 
@@ -38,6 +40,10 @@ struct VerbsNodeTransport::Peer {
   std::uint32_t pairs = 0;
   std::string node;
   std::string error;
+  std::uint64_t in_place_messages = 0;
+  std::uint64_t in_place_bytes = 0;
+  std::uint64_t staged_bytes = 0;
+  std::string in_place_error;
   std::thread sender;
   // One install at a time (two setups may finish together): the old pair's
   // receiver is joined outside `mu`.
@@ -220,55 +226,89 @@ void VerbsNodeTransport::fail_pair(const std::string& address, const std::string
 }
 
 void VerbsNodeTransport::sender_loop(Peer& p) {
-  // A write whose `done` was answered when it was posted (the message is
-  // copied into `staging`, so the caller's bytes are free), kept until its
-  // local completion returns `staging` to the spares. A write that fails
-  // after that breaks the pair, which reports the node down.
+  // The writes of one message, kept until their local completions return
+  // `staging` to the spares. A message copied whole into `staging` had its
+  // `done` answered when it was posted (the caller's bytes were free then); one
+  // read in place holds its memory (`keep`) and its `done` until the writes
+  // completed, and a failure then is its answer. A write that fails breaks the
+  // pair, which reports the node down.
   struct InFlight {
-    std::uint64_t id;
+    std::vector<std::uint64_t> ids;
     std::shared_ptr<Pair> pair;
     Buffer staging;
+    std::shared_ptr<const void> keep;
+    Done done;
   };
   std::deque<InFlight> in_flight;
   std::vector<Buffer> spare;  // staging buffers from the registered pool, reused
   std::shared_ptr<Pair> last_pair;
   std::uint64_t next_tag = 1;
 
-  auto retire = [&](InFlight& f) {
-    if (spare.size() < kWindow) spare.push_back(std::move(f.staging));
+  auto retire = [&](InFlight& f, Code code, const std::string& why) {
+    if (f.staging && spare.size() < kWindow) spare.push_back(std::move(f.staging));
+    f.keep.reset();
+    if (f.done) std::exchange(f.done, nullptr)(code, why);
   };
-  // Completed writes, oldest first, without waiting.
+  // Completed messages, oldest first, without waiting.
   auto reap = [&] {
     while (!in_flight.empty()) {
+      InFlight& f = in_flight.front();
+      Code code = Code::ok;
+      std::string why;
       try {
-        if (!in_flight.front().pair->written(in_flight.front().id)) return;
+        for (const std::uint64_t id : f.ids) {
+          if (!f.pair->written(id)) return;
+        }
       } catch (const Error&) {
         // broken or dropped: the receiver reports the node down
+        code = Code::remote;
+        why = pair_error(*f.pair);
       }
-      retire(in_flight.front());
+      InFlight done = std::move(f);
       in_flight.pop_front();
+      retire(done, code, why);
     }
   };
-  // The oldest write, waiting for it (window full, pair replaced, closing).
+  // The oldest message, waiting for its writes (window full, pair replaced, closing).
   auto complete_oldest = [&] {
     InFlight f = std::move(in_flight.front());
     in_flight.pop_front();
+    Code code = Code::ok;
+    std::string why;
     try {
-      f.pair->wait_written(f.id, Clock::now() + send_deadline_);
-    } catch (const Error&) {
+      for (const std::uint64_t id : f.ids) f.pair->wait_written(id, Clock::now() + send_deadline_);
+    } catch (const Error& e) {
       // as above
+      code = e.code() == Code::timeout ? Code::timeout : Code::remote;
+      why = f.pair->healthy() ? std::string(e.what()) : pair_error(*f.pair);
     }
-    retire(f);
+    retire(f, code, why);
+  };
+
+  // Whether a message read in place still waits for its writes: its `done`
+  // comes from this thread, so it must not sleep on an empty queue meanwhile.
+  auto awaited = [&] {
+    return std::any_of(in_flight.begin(), in_flight.end(),
+                       [](const InFlight& f) { return static_cast<bool>(f.done); });
   };
 
   while (true) {
     Item item;
+    bool drain = false;
     {
       std::unique_lock lock(p.mu);
-      p.cv.wait(lock, [&] { return p.stop || !p.queue.empty(); });
-      if (p.stop) break;
-      item = std::move(p.queue.front());
-      p.queue.pop_front();
+      if (p.queue.empty() && !p.stop && awaited()) {
+        drain = true;
+      } else {
+        p.cv.wait(lock, [&] { return p.stop || !p.queue.empty(); });
+        if (p.stop) break;
+        item = std::move(p.queue.front());
+        p.queue.pop_front();
+      }
+    }
+    if (drain) {
+      complete_oldest();
+      continue;
     }
     std::shared_ptr<Pair> pair;
     {
@@ -330,38 +370,116 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
     }
     reap();
     if (in_flight.size() >= kWindow) complete_oldest();
+    InFlight f;
+    f.pair = pair;
+    bool deferred = false;  // read in place: `done` waits for the writes
     try {
       const engine::OutMessage& m = item.first;
       const std::size_t n = m.size();
-      Buffer staging;
+      // Which payload pieces are written in place: client memory, registered
+      // with this device once per mapping. The registration is dropped when
+      // the mapping goes (the invalidator attached to its region), before the
+      // memory is unmapped, so a new mapping at the same address is never
+      // served it.
+      std::vector<Buffer> direct(m.payload.size());
+      std::size_t staged = m.head.size();
+      std::uint64_t in_place = 0;
+      for (std::size_t i = 0; i < m.payload.size(); ++i) {
+        engine::HostRegion* r = i < m.regions.size() ? m.regions[i] : nullptr;
+        if (r != nullptr && m.payload[i].size() >= kInPlaceMinBytes) {
+          auto* base = const_cast<std::byte*>(r->base());
+          r->attach(&device_, [&] { return device_.invalidator(base, r->size()); });
+          try {
+            direct[i] = device_.register_memory(base, r->size());
+          } catch (const Error& e) {
+            // Not fatal: the piece is copied like any other, and status says why.
+            std::lock_guard lock(p.mu);
+            p.in_place_error = e.what();
+          }
+        }
+        if (direct[i]) {
+          in_place += m.payload[i].size();
+        } else {
+          staged += m.payload[i].size();
+        }
+      }
       for (auto it = spare.begin(); it != spare.end(); ++it) {
-        if (it->size() >= std::max<std::size_t>(n, 1)) {
-          staging = std::move(*it);
+        if (it->size() >= std::max<std::size_t>(staged, 1)) {
+          f.staging = std::move(*it);
           spare.erase(it);
           break;
         }
       }
-      if (!staging) staging = device_.allocate(std::max<std::size_t>(n, 4096));
-      // Head and payload gathered into the registered buffer: the payload
-      // (the caller's memory, not registered with this device) is read here
-      // only, so `done` can run as soon as the write is posted.
-      std::byte* at = staging.data();
-      if (!m.head.empty()) std::memcpy(at, m.head.data(), m.head.size());
-      at += m.head.size();
-      for (const auto& piece : m.payload) {
-        if (!piece.empty()) std::memcpy(at, piece.data(), piece.size());
-        at += piece.size();
+      if (!f.staging) f.staging = device_.allocate(std::max<std::size_t>(staged, 4096));
+      const std::uint64_t tag = next_tag++;
+      // Head and the copied pieces gather into the staging buffer; each run of
+      // them between pieces written in place is one write, each piece in place
+      // another; the receiver reassembles them by offset.
+      const MessagePart whole{};
+      std::byte* stage = f.staging.data();
+      std::size_t at = 0;         // in the message
+      std::size_t run_from = 0;   // message offset of the current staged run
+      std::size_t run_stage = 0;  // its offset in staging
+      std::size_t run_len = 0;
+      auto part = [&](std::size_t offset) {
+        return in_place == 0 ? whole : MessagePart{offset, n};
+      };
+      auto flush_run = [&] {
+        if (run_len > 0) f.ids.push_back(pair->post_write(tag, f.staging, run_stage, run_len, part(run_from)));
+        run_stage += run_len;
+        run_len = 0;
+      };
+      if (!m.head.empty()) std::memcpy(stage, m.head.data(), m.head.size());
+      run_len = m.head.size();
+      at = m.head.size();
+      for (std::size_t i = 0; i < m.payload.size(); ++i) {
+        const auto& piece = m.payload[i];
+        if (direct[i]) {
+          flush_run();
+          f.ids.push_back(pair->post_write(tag, direct[i],
+                                           static_cast<std::size_t>(piece.data() - direct[i].data()),
+                                           piece.size(), part(at)));
+          at += piece.size();
+          run_from = at;
+        } else {
+          if (!piece.empty()) std::memcpy(stage + run_stage + run_len, piece.data(), piece.size());
+          run_len += piece.size();
+          at += piece.size();
+        }
       }
-      const std::uint64_t id = pair->post_write(next_tag++, staging, 0, n);
-      in_flight.push_back({id, pair, std::move(staging)});
+      // An empty message is still one (zero-length) write.
+      if (run_len > 0 || f.ids.empty()) {
+        f.ids.push_back(pair->post_write(tag, f.staging, run_stage, run_len, part(run_from)));
+      }
+      {
+        std::lock_guard lock(p.mu);
+        p.staged_bytes += staged;
+        if (in_place > 0) {
+          ++p.in_place_messages;
+          p.in_place_bytes += in_place;
+        }
+      }
+      deferred = in_place > 0;
       if (const std::uint64_t left = force_after_.load(); left > 0) {
         if (force_after_.fetch_sub(1) == 1) pair->force_error();
       }
     } catch (const Error& e) {
+      // Writes already posted read their memory until they complete.
+      if (!f.ids.empty()) {
+        f.keep = std::move(item.first.keep);
+        in_flight.push_back(std::move(f));
+      }
       if (item.second) item.second(e.code(), e.what());
       continue;
     }
-    if (item.second) item.second(Code::ok, "");
+    if (deferred) {
+      f.keep = std::move(item.first.keep);
+      f.done = std::move(item.second);
+      in_flight.push_back(std::move(f));
+    } else {
+      in_flight.push_back(std::move(f));
+      if (item.second) item.second(Code::ok, "");
+    }
   }
   while (!in_flight.empty()) complete_oldest();
 }
@@ -409,6 +527,10 @@ std::vector<VerbsPeerStatus> VerbsNodeTransport::status() const {
       s.node = p->node;
       s.pairs = p->pairs;
       s.error = p->error;
+      s.in_place_messages = p->in_place_messages;
+      s.in_place_bytes = p->in_place_bytes;
+      s.staged_bytes = p->staged_bytes;
+      s.in_place_error = p->in_place_error;
       pair = p->pair;
     }
     if (pair) {

@@ -36,7 +36,22 @@ struct VerbsPeerStatus {
   std::uint32_t pairs = 0;  ///< pairs installed since start (1 + rebuilds)
   std::string error;        ///< why the last pair broke or could not be made
   PairStats stats;          ///< of the current pair
+  /// Since start: messages whose payload pieces were written straight from
+  /// the client's memory (registered once per mapping), their bytes, and the
+  /// bytes copied into the pool instead (heads, scratch, pieces under
+  /// kInPlaceMinBytes).
+  std::uint64_t in_place_messages = 0;
+  std::uint64_t in_place_bytes = 0;
+  std::uint64_t staged_bytes = 0;
+  /// The last failure to register client memory (its pieces were copied
+  /// instead: a memlock limit, an HCA out of MRs); "" if none.
+  std::string in_place_error;
 };
+
+/// Payload pieces in client memory smaller than this are copied into the pool
+/// with the head: a piece written in place is a write of its own, with a
+/// slot and a completion, which costs more than copying a few KiB.
+inline constexpr std::size_t kInPlaceMinBytes = 16 * 1024;
 
 class VerbsNodeTransport final : public engine::NodeTransport {
  public:
@@ -60,12 +75,16 @@ class VerbsNodeTransport final : public engine::NodeTransport {
                      Clock::duration send_deadline);
   ~VerbsNodeTransport() override;
 
-  /// Queues `message`; `done` runs on the peer's sender thread once the write
-  /// is posted (head and payload pieces are gathered into one registered
-  /// staging buffer of the pool: the only copy; after it the payload is no
-  /// longer read), or
-  /// with the error (naming the node) when it cannot be. A write that fails
-  /// later breaks the pair, which reports the node down.
+  /// Queues `message`, as one tagged message of one or more writes. Payload
+  /// pieces that lie in a client mapping (OutMessage::regions) of at least
+  /// kInPlaceMinBytes are written in place from that memory, registered with
+  /// the device once per mapping (the MR cache; the mapping's HostRegion drops
+  /// it before the memory is unmapped); the head and the other pieces are
+  /// copied into one registered staging buffer of the pool. `done` runs on the
+  /// peer's sender thread: once the writes are posted when everything was
+  /// copied, else once they completed (the payload is read until then); with
+  /// the error (naming the node) when they cannot be posted or fail. A write
+  /// that fails breaks the pair, which reports the node down.
   void send(const std::string& address, engine::OutMessage message, Done done) override;
 
   /// Uses `pair` for `address` (replacing a previous one, which is closed

@@ -1180,6 +1180,18 @@ Buffer Device::register_memory(void* data, std::size_t size) {
 
 void Device::invalidate(void* data, std::size_t size) { impl_->core->mr_cache->invalidate(data, size); }
 
+std::shared_ptr<void> Device::invalidator(void* data, std::size_t size) {
+  struct Invalidator {
+    std::weak_ptr<Core> core;
+    void* data;
+    std::size_t size;
+    ~Invalidator() {
+      if (auto c = core.lock(); c && c->mr_cache) c->mr_cache->invalidate(data, size);
+    }
+  };
+  return std::shared_ptr<void>(new Invalidator{impl_->core, data, size});
+}
+
 std::unique_ptr<Pair> Device::connect(ExchangeChannel& channel, const std::string& peer_node,
                                       Clock::time_point deadline) {
   const std::shared_ptr<Core>& core = impl_->core;

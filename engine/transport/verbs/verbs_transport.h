@@ -200,6 +200,10 @@ class Device {
   Buffer register_memory(void* data, std::size_t size);
   /// Drops cached registrations overlapping the range (call before unmapping it).
   void invalidate(void* data, std::size_t size);
+  /// An object that calls invalidate(data, size) when destroyed (a no-op once
+  /// the device is gone): attach it to the owner of the memory, which drops it
+  /// before the memory is unmapped (engine::HostRegion).
+  std::shared_ptr<void> invalidator(void* data, std::size_t size);
 
   /// Connects to `peer_node` over `channel` (both sides call it). Throws naming the peer.
   std::unique_ptr<Pair> connect(ExchangeChannel& channel, const std::string& peer_node,
