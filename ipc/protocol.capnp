@@ -330,6 +330,7 @@ struct VerbsPeer {
   inPlaceBytes @8 :UInt64;       # payload bytes written that way (no copy into the pool)
   stagedBytes @9 :UInt64;        # bytes copied into the registered pool first (heads, scratch, small pieces)
   inPlaceError @10 :Text;        # why client memory could not be registered (then it is copied); "" if it could
+  railBytes @11 :List(UInt64);   # bytes written on each rail (HCA k joined to the peer's HCA k)
 }
 
 # Asks the daemon to reach another node's daemon: opens the connection if

@@ -4,6 +4,7 @@
 #include <capnp/serialize.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -23,8 +24,12 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 // Exchange messages of one setup held before the setup thread reads them: a
-// setup has two (parameters, ready); more is a confused or hostile peer.
+// setup has the rail count, then two per rail (parameters, ready), and each
+// side waits for the other's before it sends its next; more is a confused or
+// hostile peer.
 constexpr std::size_t kMaxBuffered = 16;
+// Opens the first exchange message: "RAIL" and the number of HCAs opened.
+constexpr std::uint32_t kRailsMagic = 0x4c494152;
 
 std::vector<std::byte> encode(capnp::MallocMessageBuilder& mb) {
   const auto words = capnp::messageToFlatArray(mb);
@@ -126,7 +131,7 @@ SelectingTransport::~SelectingTransport() {
   for (auto& [thread, done] : threads_) thread.join();
   // Joins the senders (their connector waits ended with shutdown()) and receivers.
   verbs_.reset();
-  device_.reset();
+  devices_.clear();
 }
 
 void SelectingTransport::shutdown() {
@@ -178,23 +183,32 @@ void SelectingTransport::open_verbs() {
     if (verbs::discover_devices(*lib_).empty()) {
       throw Error(Code::unavailable, "no RDMA device: " + verbs::no_devices_reason());
     }
+    // Every HCA port the profile lists, each a rail to every peer; a listed
+    // one that cannot be opened stops verbs altogether (a node that silently
+    // runs on fewer rails than its profile says is the kind of surprise this
+    // daemon exists to prevent). None listed: every active port that opens.
     const verbs::Options options = verbs::Options::from_profile(profile_);
-    std::optional<config::VerbsHca> hca;
-    if (!options.hcas.empty()) hca = options.hcas.front();
-    device_ = verbs::Device::open(lib_, options, profile_.node.name, hca);
+    if (options.hcas.empty()) devices_ = verbs::open_devices(lib_, options, profile_.node.name);
+    for (const config::VerbsHca& hca : options.hcas) {
+      devices_.push_back(verbs::Device::open(lib_, options, profile_.node.name, hca));
+    }
   } catch (const Error& e) {
     verbs_reason_ = e.what();
-    device_.reset();
+    devices_.clear();
     log_.warn("verbs_unavailable",
               {{"reason", verbs_reason_}, {"action", "serving every peer over tcp"}});
     return;
   }
-  device_text_ = device_->describe();
+  for (const auto& d : devices_) {
+    device_text_ += (device_text_.empty() ? "" : " + ") + d->describe();
+  }
   const verbs::GpuDirectStatus g = verbs::detect_gpudirect(lib_.get(), std::nullopt);
   gpudirect_route_ = g.route;
   gpudirect_reason_ = g.reason;
+  std::vector<verbs::Device*> rails;
+  for (const auto& d : devices_) rails.push_back(d.get());
   verbs_ = std::make_unique<verbs::VerbsNodeTransport>(
-      *device_, [this](const std::string& address) { connect(address); },
+      std::move(rails), [this](const std::string& address) { connect(address); },
       [this](const std::string& address, engine::MessageBytes message) {
         engine_.node_message(address, std::move(message));
       },
@@ -401,9 +415,44 @@ void SelectingTransport::run_attempt(const std::string& address, std::shared_ptr
       peer_node = s->peer_node;
     }
     SetupChannel channel(*this, address, s);
-    std::unique_ptr<verbs::Pair> pair = device_->connect(channel, peer_node, deadline);
-    std::string text = pair->describe();
-    verbs_->add_pair(address, std::move(pair));
+    // Rails: both sides say how many HCAs they opened and use the smaller
+    // number, HCA k joined to the peer's HCA k (profile order).
+    {
+      std::array<std::byte, 8> mine{};
+      const std::uint32_t magic = kRailsMagic;
+      const auto count = static_cast<std::uint32_t>(devices_.size());
+      std::memcpy(mine.data(), &magic, 4);
+      std::memcpy(mine.data() + 4, &count, 4);
+      channel.send(mine);
+    }
+    const std::vector<std::byte> theirs = channel.receive(deadline);
+    std::uint32_t magic = 0;
+    std::uint32_t their_rails = 0;
+    if (theirs.size() == 8) {
+      std::memcpy(&magic, theirs.data(), 4);
+      std::memcpy(&their_rails, theirs.data() + 4, 4);
+    }
+    if (magic != kRailsMagic || their_rails == 0) {
+      throw Error(Code::protocol, "node " + peer_node + " at " + address +
+                                      " sent no rail count in its verbs setup (a collectived "
+                                      "older than this one? upgrade every node together)");
+    }
+    const std::size_t n = std::min<std::size_t>(devices_.size(), their_rails);
+    std::vector<std::unique_ptr<verbs::Pair>> pairs;
+    std::string text;
+    for (std::size_t k = 0; k < n; ++k) {
+      pairs.push_back(devices_[k]->connect(channel, peer_node, deadline));
+      text += (text.empty() ? "" : " + ") + pairs.back()->describe();
+    }
+    if (n < devices_.size()) {
+      log_.warn("verbs_fewer_rails", {{"peer", address},
+                                      {"node", peer_node},
+                                      {"rails", n},
+                                      {"local_hcas", devices_.size()},
+                                      {"reason", "the peer opened " + std::to_string(their_rails) +
+                                                     " HCAs"}});
+    }
+    verbs_->add_rails(address, std::move(pairs));
     finish(address, s, Code::ok, "", std::move(text));
   } catch (const Error& e) {
     bool tell = true;
@@ -591,6 +640,8 @@ void SelectingTransport::fill_status(wire::StatusReply::Builder status) const {
       o.setInPlaceBytes(v->second.in_place_bytes);
       o.setStagedBytes(v->second.staged_bytes);
       o.setInPlaceError(v->second.in_place_error.c_str());
+      auto rb = o.initRailBytes(static_cast<unsigned>(v->second.rail_bytes.size()));
+      for (unsigned k = 0; k < rb.size(); ++k) rb.set(k, v->second.rail_bytes[k]);
     }
   }
   auto v = status.initVerbs();
@@ -598,14 +649,20 @@ void SelectingTransport::fill_status(wire::StatusReply::Builder status) const {
   v.setReason(verbs_ ? "verbs is listed before tcp; tcp serves peers that cannot use it"
                      : verbs_reason_.c_str());
   v.setDevice(device_text_.c_str());
-  if (device_) {
-    const verbs::DeviceStats ds = device_->stats();
-    v.setPoolBytes(ds.pool_bytes);
-    v.setPoolInUse(ds.pool_in_use);
-    v.setMrCacheEntries(ds.mr_cache_entries);
-    v.setMrCacheHits(ds.mr_cache_hits);
-    v.setMrCacheMisses(ds.mr_cache_misses);
+  verbs::DeviceStats ds;  // summed over the rails' devices
+  for (const auto& d : devices_) {
+    const verbs::DeviceStats one = d->stats();
+    ds.pool_bytes += one.pool_bytes;
+    ds.pool_in_use += one.pool_in_use;
+    ds.mr_cache_entries += one.mr_cache_entries;
+    ds.mr_cache_hits += one.mr_cache_hits;
+    ds.mr_cache_misses += one.mr_cache_misses;
   }
+  v.setPoolBytes(ds.pool_bytes);
+  v.setPoolInUse(ds.pool_in_use);
+  v.setMrCacheEntries(ds.mr_cache_entries);
+  v.setMrCacheHits(ds.mr_cache_hits);
+  v.setMrCacheMisses(ds.mr_cache_misses);
   v.setGpuDirect(gpudirect_route_.c_str());
   v.setGpuDirectReason(gpudirect_reason_.c_str());
 }

@@ -108,7 +108,7 @@ class SelectingTransport final : public engine::NodeTransport {
 
   // Verbs, when opened (else verbs_reason_ says why not).
   std::shared_ptr<const verbs::IbverbsLibrary> lib_;
-  std::unique_ptr<verbs::Device> device_;
+  std::vector<std::unique_ptr<verbs::Device>> devices_;  // rail k on devices_[k]
   std::unique_ptr<verbs::VerbsNodeTransport> verbs_;
   std::string verbs_reason_;
   std::string device_text_;

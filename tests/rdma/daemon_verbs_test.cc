@@ -42,16 +42,22 @@ constexpr int kWaitMs = 60000;
 constexpr auto kRanksTimeout = 600s;
 
 /// n0 and n1, each on its own device and address. `env1`: extra environment of n1.
+/// `two_rails`: each daemon opens both devices, n0 [rxe0, rxe1] and n1
+/// [rxe1, rxe0], so that rail 0 joins rxe0 to rxe1 and rail 1 rxe1 to rxe0:
+/// two HCAs per node over the VM's one veth pair.
 struct VerbsCluster : Cluster {
   explicit VerbsCluster(std::map<std::string, std::string> env1 = {},
-                        std::vector<std::string> extra1 = {}) {
+                        std::vector<std::string> extra1 = {}, bool two_rails = false) {
+    const std::string dev0 = env_or("RDMA_VM_DEV0", "rxe0");
+    const std::string dev1 = env_or("RDMA_VM_DEV1", "rxe1");
     for (int i = 0; i < 2; ++i) {
       Node& node = add("n" + std::to_string(i), env_or(i == 0 ? "RDMA_VM_IP0" : "RDMA_VM_IP1",
                                                        i == 0 ? "10.99.0.1" : "10.99.0.2"));
+      const std::string mine = i == 0 ? dev0 : dev1;
+      const std::string other = i == 0 ? dev1 : dev0;
       // A short QP timeout (67 ms x 4 tries) so that a dead peer is noticed in ~0.3 s.
       node.extra = {"transports=[verbs,tcp]",
-                    "verbs.hcas=[" + env_or(i == 0 ? "RDMA_VM_DEV0" : "RDMA_VM_DEV1",
-                                            i == 0 ? "rxe0" : "rxe1") + "]",
+                    "verbs.hcas=[" + mine + (two_rails ? "," + other : "") + "]",
                     "verbs.gid_index=" + env_or("RDMA_VM_GID_INDEX", "1"),
                     "verbs.timeout=14",
                     "verbs.retry_count=3",
@@ -90,6 +96,7 @@ struct VerbsRow {
   std::uint64_t writes = 0;
   std::uint64_t in_place_messages = 0, in_place_bytes = 0, staged_bytes = 0;
   std::string in_place_error;
+  std::vector<std::uint64_t> rail_bytes;
 };
 
 VerbsRow verbs_row(const Node& from, const Node& to) {
@@ -114,6 +121,7 @@ VerbsRow verbs_row(const Node& from, const Node& to) {
       r.in_place_bytes = v.getInPlaceBytes();
       r.staged_bytes = v.getStagedBytes();
       r.in_place_error = v.getInPlaceError().cStr();
+      for (auto b : v.getRailBytes()) r.rail_bytes.push_back(b);
     }
   }
   return r;
@@ -252,6 +260,63 @@ TEST_CASE("client buffers are written in place; a freed mapping's registration g
                      << mr.entries << " left");
     CHECK(mr.misses >= kRounds);
     CHECK(mr.entries == 0);
+  }
+}
+
+// Several HCAs per node: a pair per rail, messages spread over them (heads in
+// turn, large in-place pieces split), reassembled in order on the other side.
+TEST_CASE("two HCAs per node: both rails carry the full matrix") {
+  VerbsCluster cl({}, {}, /*two_rails=*/true);
+  std::string device;
+  REQUIRE(verbs_enabled(cl.nodes[0], &device));
+  MESSAGE("n0 devices: " << device);
+  CHECK(device.find("rxe0") != std::string::npos);
+  CHECK(device.find("rxe1") != std::string::npos);
+  run_verbs_layout(cl, {0, 1}, 4099 * 8 * 8 + 256, [](RankCtx& c) {
+    run_matrix(c);
+    return 0;
+  });
+  // Large all-gathers: pieces split over both rails.
+  run_verbs_layout(cl, {1, 0}, 8 << 20, [](RankCtx& c) {
+    for (int round = 0; round < 3; ++round) {
+      const std::size_t count = (1 << 20) - 5 + round;  // int32: ~4 MiB per rank, odd counts
+      auto* in = reinterpret_cast<std::int32_t*>(c.send);
+      for (std::size_t i = 0; i < count; ++i) in[i] = c.rank * 100000007 + static_cast<std::int32_t>(i) - round;
+      collective_request_t* req = nullptr;
+      collective_result_t rc =
+          collective_all_gather(c.comm, c.send, c.recv, count, COLLECTIVE_INT32, &req);
+      if (rc == COLLECTIVE_OK) rc = collective_wait(req, kWaitMs);
+      collective_request_free(req);
+      if (rc != COLLECTIVE_OK) {
+        c.report(std::string("all_gather: ") + collective_last_error());
+        return 1;
+      }
+      const auto* out = reinterpret_cast<const std::int32_t*>(c.recv);
+      for (int q = 0; q < 2; ++q) {
+        for (std::size_t i = 0; i < count; ++i) {
+          const std::int32_t want = q * 100000007 + static_cast<std::int32_t>(i) - round;
+          if (out[q * count + i] != want) {
+            c.report("rank " + std::to_string(q) + "'s element " + std::to_string(i) + " is " +
+                     std::to_string(out[q * count + i]) + ", expected " + std::to_string(want));
+            return 1;
+          }
+        }
+      }
+    }
+    return 0;
+  });
+  for (int i = 0; i < 2; ++i) {
+    const VerbsRow row = verbs_row(cl.nodes[i], cl.nodes[1 - i]);
+    CAPTURE(i);
+    MESSAGE("n" << i << ": " << row.queue_pairs);
+    CHECK(row.transport == "verbs");
+    CHECK(row.healthy);
+    CHECK(row.pairs == 1);
+    REQUIRE(row.rail_bytes.size() == 2);
+    MESSAGE("rail bytes " << row.rail_bytes[0] << " / " << row.rail_bytes[1]);
+    CHECK(row.rail_bytes[0] > (8u << 20));
+    CHECK(row.rail_bytes[1] > (8u << 20));
+    CHECK(row.queue_pairs.find(" + ") != std::string::npos);
   }
 }
 

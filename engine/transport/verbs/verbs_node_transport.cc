@@ -14,14 +14,71 @@ namespace collectived::verbs {
 
 namespace {
 
-// Writes a sender keeps in flight per peer before it waits for the oldest:
+// Messages a sender keeps in flight per peer before it waits for the oldest:
 // enough to cover the round trip of a write's completion (one write at a
 // time left the link idle for a round trip per message).
 constexpr std::size_t kWindow = 8;
 
-std::string pair_error(const Pair& pair) {
-  const std::string e = pair.error();
-  return e.empty() ? "verbs connection to node " + pair.peer() + " closed" : e;
+}  // namespace
+
+// The connection to one peer: a pair per rail (HCA).
+struct VerbsNodeTransport::Rails {
+  std::vector<std::shared_ptr<Pair>> pairs;
+
+  const std::string& peer() const { return pairs.front()->peer(); }
+  bool healthy() const {
+    return std::all_of(pairs.begin(), pairs.end(), [](const auto& q) { return q->healthy(); });
+  }
+  /// The first rail's error ("" if none broke).
+  std::string error() const {
+    for (const auto& q : pairs) {
+      if (std::string e = q->error(); !e.empty()) return e;
+    }
+    return "";
+  }
+  void fail(const std::string& why) const {
+    for (const auto& q : pairs) q->fail(why);
+  }
+  std::string describe() const {
+    std::string out;
+    for (const auto& q : pairs) out += (out.empty() ? "" : " + ") + q->describe();
+    return out;
+  }
+  PairStats stats() const {
+    PairStats t;
+    for (const auto& q : pairs) {
+      const PairStats s = q->stats();
+      t.writes_posted += s.writes_posted;
+      t.bytes_written += s.bytes_written;
+      t.chunks_received += s.chunks_received;
+      t.credit_messages += s.credit_messages;
+      t.credit_stalls += s.credit_stalls;
+      t.rebuilds += s.rebuilds;
+      t.spilled_chunks += s.spilled_chunks;
+    }
+    return t;
+  }
+};
+
+// What the receivers of one connection (one thread per rail) share: the
+// pieces of a message may arrive on every rail, and whole messages go on in
+// the order they were sent.
+struct VerbsNodeTransport::Reassembly {
+  struct Partial {
+    engine::MessageBytes data;
+    std::uint64_t got = 0;
+  };
+  std::mutex mu;
+  std::map<std::uint64_t, Partial> partial;
+  std::map<std::uint64_t, engine::MessageBytes> complete;
+  std::uint64_t expected = 1;
+};
+
+namespace {
+
+std::string rails_error(const VerbsNodeTransport::Rails& r) {
+  const std::string e = r.error();
+  return e.empty() ? "verbs connection to node " + r.peer() + " closed" : e;
 }
 
 }  // namespace
@@ -32,11 +89,11 @@ struct VerbsNodeTransport::Peer {
   std::condition_variable cv;
   std::deque<Item> queue;
   bool stop = false;
-  // The current pair, its receiver thread and the flag that tells that
-  // receiver it was replaced (no peer-down report then).
-  std::shared_ptr<Pair> pair;
+  // The current connection, its receiver threads (one per rail) and the flag
+  // that tells those receivers it was replaced (no peer-down report then).
+  std::shared_ptr<Rails> pair;
   std::shared_ptr<std::atomic<bool>> retired;
-  std::thread receiver;
+  std::vector<std::thread> receivers;
   std::uint32_t pairs = 0;
   std::string node;
   std::string error;
@@ -45,18 +102,20 @@ struct VerbsNodeTransport::Peer {
   std::uint64_t staged_bytes = 0;
   std::string in_place_error;
   std::thread sender;
-  // One install at a time (two setups may finish together): the old pair's
-  // receiver is joined outside `mu`.
+  // One install at a time (two setups may finish together): the old
+  // connection's receivers are joined outside `mu`.
   std::mutex install_mu;
 };
 
-VerbsNodeTransport::VerbsNodeTransport(Device& device, Connector connector, Deliver deliver,
-                                       Down down, Clock::duration send_deadline)
-    : device_(device),
+VerbsNodeTransport::VerbsNodeTransport(std::vector<Device*> devices, Connector connector,
+                                       Deliver deliver, Down down, Clock::duration send_deadline)
+    : devices_(std::move(devices)),
       connector_(std::move(connector)),
       deliver_(std::move(deliver)),
       down_(std::move(down)),
-      send_deadline_(send_deadline) {}
+      send_deadline_(send_deadline) {
+  if (devices_.empty()) throw Error(Code::invalid_argument, "verbs transport without a device");
+}
 
 VerbsNodeTransport::~VerbsNodeTransport() {
   std::map<std::string, std::shared_ptr<Peer>> peers;
@@ -65,7 +124,7 @@ VerbsNodeTransport::~VerbsNodeTransport() {
     peers.swap(peers_);
   }
   for (auto& [address, p] : peers) {
-    std::shared_ptr<Pair> pair;
+    std::shared_ptr<Rails> pair;
     {
       std::lock_guard lock(p->mu);
       p->stop = true;
@@ -77,7 +136,9 @@ VerbsNodeTransport::~VerbsNodeTransport() {
   }
   for (auto& [address, p] : peers) {
     if (p->sender.joinable()) p->sender.join();
-    if (p->receiver.joinable()) p->receiver.join();
+    for (auto& t : p->receivers) {
+      if (t.joinable()) t.join();
+    }
     // Messages still queued are answered: their callers wait for `done`.
     for (auto& item : p->queue) {
       if (item.second) item.second(Code::aborted, "the verbs transport is closing");
@@ -110,29 +171,43 @@ std::shared_ptr<VerbsNodeTransport::Peer> VerbsNodeTransport::peer_for(const std
 }
 
 void VerbsNodeTransport::add_pair(const std::string& address, std::unique_ptr<Pair> pair) {
-  install(*peer_for(address), std::move(pair));
+  std::vector<std::unique_ptr<Pair>> rails;
+  rails.push_back(std::move(pair));
+  add_rails(address, std::move(rails));
 }
 
-void VerbsNodeTransport::install(Peer& p, std::unique_ptr<Pair> pair) {
-  std::shared_ptr<Pair> sp(pair.release());
+void VerbsNodeTransport::add_rails(const std::string& address,
+                                   std::vector<std::unique_ptr<Pair>> rails) {
+  if (rails.empty() || rails.size() > devices_.size()) {
+    throw Error(Code::invalid_argument, "verbs connection to " + address + " with " +
+                                            std::to_string(rails.size()) + " rails on " +
+                                            std::to_string(devices_.size()) + " devices");
+  }
+  auto r = std::make_shared<Rails>();
+  for (auto& q : rails) r->pairs.push_back(std::shared_ptr<Pair>(q.release()));
+  install(*peer_for(address), std::move(r));
+}
+
+void VerbsNodeTransport::install(Peer& p, std::shared_ptr<Rails> sp) {
   std::lock_guard installing(p.install_mu);
-  // First the old pair goes, and with it the messages still in flight on it:
-  // writes whose `done` was answered when they were posted, and pieces the
-  // peer wrote that this side has not read. A peer builds a new pair only
-  // when its own broke, so some of them are lost: unless the old receiver
+  // First the old connection goes, and with it the messages still in flight
+  // on it: writes whose `done` was answered when they were posted, and pieces
+  // the peer wrote that this side has not read. A peer builds a new connection
+  // only when its own broke, so some of them are lost: unless an old receiver
   // already reported the node down, that report is made here, before the new
-  // pair delivers anything (otherwise an operation waiting for a lost message
-  // would wait for its deadline: the QP-error hang of issue 7, where the peer
-  // rebuilt the pair before this side's probe noticed that it was dead).
-  std::shared_ptr<Pair> old_pair;
+  // connection delivers anything (otherwise an operation waiting for a lost
+  // message would wait for its deadline: the QP-error hang of issue 7, where
+  // the peer rebuilt the pair before this side's probe noticed that it was dead).
+  std::shared_ptr<Rails> old_pair;
   std::shared_ptr<std::atomic<bool>> old_retired;
-  std::thread old_receiver;
+  std::vector<std::thread> old_receivers;
   {
     std::lock_guard lock(p.mu);
     if (p.stop) return;
     old_pair = p.pair;  // stays visible (unhealthy once failed) until the new one is in
     old_retired = p.retired;
-    old_receiver = std::move(p.receiver);
+    old_receivers = std::move(p.receivers);
+    p.receivers.clear();
   }
   if (old_pair) {
     const bool reported = old_retired->exchange(true);
@@ -142,7 +217,9 @@ void VerbsNodeTransport::install(Peer& p, std::unique_ptr<Pair> pair) {
             " was rebuilt by that node (its side broke); messages in flight on it are lost";
     }
     old_pair->fail("replaced by a new verbs connection");
-    if (old_receiver.joinable()) old_receiver.join();
+    for (auto& t : old_receivers) {
+      if (t.joinable()) t.join();
+    }
     if (!reported) {
       {
         std::lock_guard lock(p.mu);
@@ -152,6 +229,7 @@ void VerbsNodeTransport::install(Peer& p, std::unique_ptr<Pair> pair) {
     }
   }
   auto retired = std::make_shared<std::atomic<bool>>(false);
+  auto reassembly = std::make_shared<Reassembly>();
   {
     std::lock_guard lock(p.mu);
     if (p.stop) return;
@@ -160,50 +238,53 @@ void VerbsNodeTransport::install(Peer& p, std::unique_ptr<Pair> pair) {
     ++p.pairs;
     p.node = sp->peer();
     p.error.clear();
-    p.receiver = std::thread([this, pp = &p, sp, retired] { receive_loop(*pp, sp, retired); });
+    for (std::size_t k = 0; k < sp->pairs.size(); ++k) {
+      p.receivers.emplace_back(
+          [this, pp = &p, sp, k, reassembly, retired] { receive_loop(*pp, sp, k, reassembly, retired); });
+    }
   }
   p.cv.notify_all();
 }
 
-void VerbsNodeTransport::receive_loop(Peer& p, std::shared_ptr<Pair> sp,
+void VerbsNodeTransport::receive_loop(Peer& p, std::shared_ptr<Rails> rails, std::size_t rail,
+                                      std::shared_ptr<Reassembly> ra,
                                       std::shared_ptr<std::atomic<bool>> retired) {
-  struct Partial {
-    engine::MessageBytes data;
-    std::uint64_t got = 0;
-  };
-  std::map<std::uint64_t, Partial> partial;
-  std::map<std::uint64_t, engine::MessageBytes> complete;
-  std::uint64_t expected = 1;
+  const std::shared_ptr<Pair>& sp = rails->pairs[rail];
   while (!retired->load()) {
     try {
       const Chunk c = sp->next_chunk(std::nullopt, Clock::now() + std::chrono::milliseconds(200));
-      Partial& m = partial[c.tag];
+      std::lock_guard lock(ra->mu);
+      Reassembly::Partial& m = ra->partial[c.tag];
       // Allocated once per message, not zero-filled: the chunks cover it.
       if (m.data.size() != c.total) m.data = engine::MessageBytes(c.total);
       if (!c.data.empty()) std::memcpy(m.data.data() + c.offset, c.data.data(), c.data.size());
       m.got += c.data.size();
       sp->release(c);
       if (m.got >= c.total) {
-        complete[c.tag] = std::move(m.data);
-        partial.erase(c.tag);
+        ra->complete[c.tag] = std::move(m.data);
+        ra->partial.erase(c.tag);
       }
       // In send order: pieces of different messages can finish out of
-      // order (several writes in flight, several QPs).
-      for (auto it = complete.find(expected); it != complete.end(); it = complete.find(expected)) {
+      // order (several writes in flight, several QPs, several rails).
+      for (auto it = ra->complete.find(ra->expected); it != ra->complete.end();
+           it = ra->complete.find(ra->expected)) {
         deliver_(p.address, std::move(it->second));
-        complete.erase(it);
-        ++expected;
+        ra->complete.erase(it);
+        ++ra->expected;
       }
     } catch (const Error& e) {
       if (e.code() == Code::timeout) continue;
       // Replaced (install reports the node down then, if need be) or closing.
       if (retired->exchange(true)) return;
-      const std::string why = pair_error(*sp);
+      const std::string why = rails_error(*rails);
+      // The other rails' receivers stop with this one; their pairs are failed
+      // so that writes waiting on them end now.
+      rails->fail(why);
       {
         std::lock_guard guard(p.mu);
         p.error = why;
       }
-      if (down_) down_(p.address, sp->peer(), why);
+      if (down_) down_(p.address, rails->peer(), why);
       return;
     }
   }
@@ -217,7 +298,7 @@ void VerbsNodeTransport::fail_pair(const std::string& address, const std::string
     if (it == peers_.end()) return;
     p = it->second;
   }
-  std::shared_ptr<Pair> pair;
+  std::shared_ptr<Rails> pair;
   {
     std::lock_guard lock(p->mu);
     pair = p->pair;
@@ -227,25 +308,28 @@ void VerbsNodeTransport::fail_pair(const std::string& address, const std::string
 
 void VerbsNodeTransport::sender_loop(Peer& p) {
   // The writes of one message, kept until their local completions return
-  // `staging` to the spares. A message copied whole into `staging` had its
-  // `done` answered when it was posted (the caller's bytes were free then); one
-  // read in place holds its memory (`keep`) and its `done` until the writes
-  // completed, and a failure then is its answer. A write that fails breaks the
-  // pair, which reports the node down.
+  // `staging` to the spares of its rail. A message copied whole into
+  // `staging` had its `done` answered when it was posted (the caller's bytes
+  // were free then); one read in place holds its memory (`keep`) and its
+  // `done` until the writes completed, and a failure then is its answer. A
+  // write that fails breaks the pair, which reports the node down.
   struct InFlight {
-    std::vector<std::uint64_t> ids;
-    std::shared_ptr<Pair> pair;
+    std::shared_ptr<Rails> rails;
+    std::vector<std::pair<std::shared_ptr<Pair>, std::uint64_t>> writes;
+    std::size_t rail = 0;  // of `staging`
     Buffer staging;
     std::shared_ptr<const void> keep;
     Done done;
   };
   std::deque<InFlight> in_flight;
-  std::vector<Buffer> spare;  // staging buffers from the registered pool, reused
-  std::shared_ptr<Pair> last_pair;
+  // Staging buffers from each rail's registered pool, reused.
+  std::vector<std::vector<Buffer>> spare(devices_.size());
+  std::shared_ptr<Rails> last_pair;
   std::uint64_t next_tag = 1;
+  std::size_t next_rail = 0;
 
   auto retire = [&](InFlight& f, Code code, const std::string& why) {
-    if (f.staging && spare.size() < kWindow) spare.push_back(std::move(f.staging));
+    if (f.staging && spare[f.rail].size() < kWindow) spare[f.rail].push_back(std::move(f.staging));
     f.keep.reset();
     if (f.done) std::exchange(f.done, nullptr)(code, why);
   };
@@ -256,13 +340,13 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
       Code code = Code::ok;
       std::string why;
       try {
-        for (const std::uint64_t id : f.ids) {
-          if (!f.pair->written(id)) return;
+        for (const auto& [q, id] : f.writes) {
+          if (!q->written(id)) return;
         }
       } catch (const Error&) {
         // broken or dropped: the receiver reports the node down
         code = Code::remote;
-        why = pair_error(*f.pair);
+        why = rails_error(*f.rails);
       }
       InFlight done = std::move(f);
       in_flight.pop_front();
@@ -276,15 +360,14 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
     Code code = Code::ok;
     std::string why;
     try {
-      for (const std::uint64_t id : f.ids) f.pair->wait_written(id, Clock::now() + send_deadline_);
+      for (const auto& [q, id] : f.writes) q->wait_written(id, Clock::now() + send_deadline_);
     } catch (const Error& e) {
       // as above
       code = e.code() == Code::timeout ? Code::timeout : Code::remote;
-      why = f.pair->healthy() ? std::string(e.what()) : pair_error(*f.pair);
+      why = f.rails->healthy() ? std::string(e.what()) : rails_error(*f.rails);
     }
     retire(f, code, why);
   };
-
   // Whether a message read in place still waits for its writes: its `done`
   // comes from this thread, so it must not sleep on an empty queue meanwhile.
   auto awaited = [&] {
@@ -310,7 +393,7 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
       complete_oldest();
       continue;
     }
-    std::shared_ptr<Pair> pair;
+    std::shared_ptr<Rails> pair;
     {
       std::lock_guard lock(p.mu);
       pair = p.pair;
@@ -320,7 +403,7 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
       std::optional<Error> failed;
       if (!connector_) {
         if (pair) {
-          failed.emplace(Code::remote, pair_error(*pair));
+          failed.emplace(Code::remote, rails_error(*pair));
         } else {
           failed.emplace(Code::unavailable, "no verbs connection to " + p.address);
         }
@@ -336,7 +419,7 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
         pair = p.pair;
         if (!pair || !pair->healthy()) {
           failed.emplace(Code::unavailable,
-                         pair ? pair_error(*pair) : "no verbs connection to " + p.address);
+                         pair ? rails_error(*pair) : "no verbs connection to " + p.address);
         }
       }
       if (failed) {
@@ -363,69 +446,93 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
       }
     }
     if (pair != last_pair) {
-      // A new pair: both sides start counting tags again.
+      // A new connection: both sides start counting tags again.
       while (!in_flight.empty()) complete_oldest();
       last_pair = pair;
       next_tag = 1;
+      next_rail = 0;
     }
     reap();
     if (in_flight.size() >= kWindow) complete_oldest();
+    const std::size_t rails = pair->pairs.size();
+    // The message's head and copied pieces go on one rail, in turn.
+    const std::size_t home = next_rail++ % rails;
     InFlight f;
-    f.pair = pair;
+    f.rails = pair;
+    f.rail = home;
     bool deferred = false;  // read in place: `done` waits for the writes
     try {
       const engine::OutMessage& m = item.first;
       const std::size_t n = m.size();
-      // Which payload pieces are written in place: client memory, registered
-      // with this device once per mapping. The registration is dropped when
-      // the mapping goes (the invalidator attached to its region), before the
-      // memory is unmapped, so a new mapping at the same address is never
-      // served it.
-      std::vector<Buffer> direct(m.payload.size());
+      // Client memory registered with rail `k`'s device: once per mapping (the
+      // MR cache), dropped when the mapping goes (the invalidator attached to
+      // its region), before the memory is unmapped, so that a new mapping at
+      // the same address is never served it. Empty Buffer: not registered.
+      auto registered = [&](engine::HostRegion* r, std::size_t k) -> Buffer {
+        Device& d = *devices_[k];
+        auto* base = const_cast<std::byte*>(r->base());
+        r->attach(&d, [&] { return d.invalidator(base, r->size()); });
+        try {
+          return d.register_memory(base, r->size());
+        } catch (const Error& e) {
+          // Not fatal: the piece is copied like any other, and status says why.
+          std::lock_guard lock(p.mu);
+          p.in_place_error = e.what();
+          return {};
+        }
+      };
+      // Which payload pieces are written in place, and on which rails: a
+      // piece large enough for a write per rail is spread over all of them.
+      std::vector<std::vector<Buffer>> direct(m.payload.size());
       std::size_t staged = m.head.size();
       std::uint64_t in_place = 0;
       for (std::size_t i = 0; i < m.payload.size(); ++i) {
         engine::HostRegion* r = i < m.regions.size() ? m.regions[i] : nullptr;
-        if (r != nullptr && m.payload[i].size() >= kInPlaceMinBytes) {
-          auto* base = const_cast<std::byte*>(r->base());
-          r->attach(&device_, [&] { return device_.invalidator(base, r->size()); });
-          try {
-            direct[i] = device_.register_memory(base, r->size());
-          } catch (const Error& e) {
-            // Not fatal: the piece is copied like any other, and status says why.
-            std::lock_guard lock(p.mu);
-            p.in_place_error = e.what();
+        const std::size_t len = m.payload[i].size();
+        if (r != nullptr && len >= kInPlaceMinBytes) {
+          const std::size_t ways = len >= rails * kInPlaceMinBytes ? rails : 1;
+          for (std::size_t w = 0; w < ways; ++w) {
+            Buffer b = registered(r, (home + w) % rails);
+            if (!b) {
+              direct[i].clear();
+              break;
+            }
+            direct[i].push_back(std::move(b));
           }
         }
-        if (direct[i]) {
-          in_place += m.payload[i].size();
+        if (!direct[i].empty()) {
+          in_place += len;
         } else {
-          staged += m.payload[i].size();
+          staged += len;
         }
       }
-      for (auto it = spare.begin(); it != spare.end(); ++it) {
+      for (auto it = spare[home].begin(); it != spare[home].end(); ++it) {
         if (it->size() >= std::max<std::size_t>(staged, 1)) {
           f.staging = std::move(*it);
-          spare.erase(it);
+          spare[home].erase(it);
           break;
         }
       }
-      if (!f.staging) f.staging = device_.allocate(std::max<std::size_t>(staged, 4096));
+      if (!f.staging) f.staging = devices_[home]->allocate(std::max<std::size_t>(staged, 4096));
       const std::uint64_t tag = next_tag++;
       // Head and the copied pieces gather into the staging buffer; each run of
       // them between pieces written in place is one write, each piece in place
-      // another; the receiver reassembles them by offset.
+      // one per rail it is spread over; the receiver reassembles them by offset.
       const MessagePart whole{};
+      auto part = [&](std::size_t offset) {
+        return in_place == 0 ? whole : MessagePart{offset, n};
+      };
+      const std::shared_ptr<Pair>& home_pair = pair->pairs[home];
       std::byte* stage = f.staging.data();
       std::size_t at = 0;         // in the message
       std::size_t run_from = 0;   // message offset of the current staged run
       std::size_t run_stage = 0;  // its offset in staging
       std::size_t run_len = 0;
-      auto part = [&](std::size_t offset) {
-        return in_place == 0 ? whole : MessagePart{offset, n};
-      };
       auto flush_run = [&] {
-        if (run_len > 0) f.ids.push_back(pair->post_write(tag, f.staging, run_stage, run_len, part(run_from)));
+        if (run_len > 0) {
+          f.writes.emplace_back(home_pair, home_pair->post_write(tag, f.staging, run_stage, run_len,
+                                                                 part(run_from)));
+        }
         run_stage += run_len;
         run_len = 0;
       };
@@ -434,11 +541,22 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
       at = m.head.size();
       for (std::size_t i = 0; i < m.payload.size(); ++i) {
         const auto& piece = m.payload[i];
-        if (direct[i]) {
+        if (!direct[i].empty()) {
           flush_run();
-          f.ids.push_back(pair->post_write(tag, direct[i],
-                                           static_cast<std::size_t>(piece.data() - direct[i].data()),
-                                           piece.size(), part(at)));
+          const std::size_t ways = direct[i].size();
+          // Equal shares, 4 KiB aligned, the last one takes the rest.
+          const std::size_t share = (piece.size() / ways) & ~std::size_t{4095};
+          std::size_t done_bytes = 0;
+          for (std::size_t w = 0; w < ways; ++w) {
+            const std::size_t len = w + 1 == ways ? piece.size() - done_bytes : share;
+            const Buffer& b = direct[i][w];
+            const std::shared_ptr<Pair>& q = pair->pairs[(home + w) % rails];
+            f.writes.emplace_back(
+                q, q->post_write(tag, b,
+                                 static_cast<std::size_t>(piece.data() - b.data()) + done_bytes,
+                                 len, part(at + done_bytes)));
+            done_bytes += len;
+          }
           at += piece.size();
           run_from = at;
         } else {
@@ -448,8 +566,9 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
         }
       }
       // An empty message is still one (zero-length) write.
-      if (run_len > 0 || f.ids.empty()) {
-        f.ids.push_back(pair->post_write(tag, f.staging, run_stage, run_len, part(run_from)));
+      if (run_len > 0 || f.writes.empty()) {
+        f.writes.emplace_back(home_pair, home_pair->post_write(tag, f.staging, run_stage, run_len,
+                                                               part(run_from)));
       }
       {
         std::lock_guard lock(p.mu);
@@ -461,11 +580,11 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
       }
       deferred = in_place > 0;
       if (const std::uint64_t left = force_after_.load(); left > 0) {
-        if (force_after_.fetch_sub(1) == 1) pair->force_error();
+        if (force_after_.fetch_sub(1) == 1) pair->pairs.front()->force_error();
       }
     } catch (const Error& e) {
       // Writes already posted read their memory until they complete.
-      if (!f.ids.empty()) {
+      if (!f.writes.empty()) {
         f.keep = std::move(item.first.keep);
         in_flight.push_back(std::move(f));
       }
@@ -520,7 +639,7 @@ std::vector<VerbsPeerStatus> VerbsNodeTransport::status() const {
   std::vector<VerbsPeerStatus> out;
   for (const auto& p : peers) {
     VerbsPeerStatus s;
-    std::shared_ptr<Pair> pair;
+    std::shared_ptr<Rails> pair;
     {
       std::lock_guard lock(p->mu);
       s.address = p->address;
@@ -536,8 +655,10 @@ std::vector<VerbsPeerStatus> VerbsNodeTransport::status() const {
     if (pair) {
       s.healthy = pair->healthy();
       s.pair = pair->describe();
+      s.rails = static_cast<std::uint32_t>(pair->pairs.size());
+      for (const auto& q : pair->pairs) s.rail_bytes.push_back(q->stats().bytes_written);
       s.stats = pair->stats();
-      if (!s.healthy && s.error.empty()) s.error = pair_error(*pair);
+      if (!s.healthy && s.error.empty()) s.error = rails_error(*pair);
     }
     out.push_back(std::move(s));
   }

@@ -1,15 +1,19 @@
 // The engine's NodeTransport (engine/transport/transport.h) over verbs pairs:
 // what the daemon plugs in, per peer, once verbs is selected for it
-// (engine/transport/select.h). Each engine message is one tagged write (tag =
-// per-peer sequence number) from a registered pool buffer; the receiving side
-// reassembles the pieces and hands whole messages on in the order they were
-// sent. A broken pair reports the peer down once (the engine then fails the
-// communicators spanning it); the next message to that peer builds a new one.
+// (engine/transport/select.h). The connection to a peer is one pair per rail:
+// the node's HCA k joined to the peer's HCA k (verbs.hcas, in profile order;
+// as many rails as the node with fewer HCAs has). Each engine message is one
+// or more tagged writes (tag = per-peer sequence number): its head and small
+// pieces from a registered pool buffer, large pieces of client memory in
+// place, spread over the rails; the receiving side reassembles the pieces of
+// every rail and hands whole messages on in the order they were sent. A broken
+// pair reports the peer down once (the engine then fails the communicators
+// spanning it); the next message to that peer builds new ones.
 //
 // Threads: send() only queues (it never blocks on the network or on a
 // connection being built). Per peer, a sender thread connects when needed
 // (through the Connector), stages messages into pool buffers and keeps up to
-// `kWindow` writes in flight; a receiver thread per pair reassembles.
+// `kWindow` messages in flight; a receiver thread per rail reassembles.
 #pragma once
 
 #include <atomic>
@@ -32,10 +36,12 @@ struct VerbsPeerStatus {
   std::string address;
   std::string node;         ///< "" until a pair was made
   bool healthy = false;     ///< a working pair exists
-  std::string pair;         ///< Pair::describe() of the current pair ("" = none)
+  std::string pair;         ///< Pair::describe() of the current pairs, " + " between rails ("" = none)
+  std::uint32_t rails = 0;  ///< pairs (HCAs) of the current connection
+  std::vector<std::uint64_t> rail_bytes;  ///< bytes written on each of them
   std::uint32_t pairs = 0;  ///< pairs installed since start (1 + rebuilds)
   std::string error;        ///< why the last pair broke or could not be made
-  PairStats stats;          ///< of the current pair
+  PairStats stats;          ///< of the current pairs, summed over the rails
   /// Since start: messages whose payload pieces were written straight from
   /// the client's memory (registered once per mapping), their bytes, and the
   /// bytes copied into the pool instead (heads, scratch, pieces under
@@ -71,8 +77,14 @@ class VerbsNodeTransport final : public engine::NodeTransport {
   using ConnectFailed =
       std::function<void(const std::string& address, const Error& why, std::vector<Item> items)>;
 
+  /// `devices`: the node's HCAs, rail k on devices[k] (at least one; they
+  /// outlive this object).
+  VerbsNodeTransport(std::vector<Device*> devices, Connector connector, Deliver deliver,
+                     Down down, Clock::duration send_deadline);
   VerbsNodeTransport(Device& device, Connector connector, Deliver deliver, Down down,
-                     Clock::duration send_deadline);
+                     Clock::duration send_deadline)
+      : VerbsNodeTransport(std::vector<Device*>{&device}, std::move(connector),
+                           std::move(deliver), std::move(down), send_deadline) {}
   ~VerbsNodeTransport() override;
 
   /// Queues `message`, as one tagged message of one or more writes. Payload
@@ -87,8 +99,10 @@ class VerbsNodeTransport final : public engine::NodeTransport {
   /// that fails breaks the pair, which reports the node down.
   void send(const std::string& address, engine::OutMessage message, Done done) override;
 
-  /// Uses `pair` for `address` (replacing a previous one, which is closed
-  /// without reporting the peer down).
+  /// Uses `rails` for `address`, rail k made on devices[k] (replacing the
+  /// previous ones, which are closed without reporting the peer down).
+  void add_rails(const std::string& address, std::vector<std::unique_ptr<Pair>> rails);
+  /// One rail.
   void add_pair(const std::string& address, std::unique_ptr<Pair> pair);
   /// Whether a healthy pair to `address` exists.
   bool connected(const std::string& address) const;
@@ -106,14 +120,18 @@ class VerbsNodeTransport final : public engine::NodeTransport {
   std::vector<VerbsPeerStatus> status() const;
 
   struct Peer;
+  struct Rails;
+  struct Reassembly;
 
  private:
   std::shared_ptr<Peer> peer_for(const std::string& address);
   void sender_loop(Peer& p);
-  void install(Peer& p, std::unique_ptr<Pair> pair);
-  void receive_loop(Peer& p, std::shared_ptr<Pair> pair, std::shared_ptr<std::atomic<bool>> retired);
+  void install(Peer& p, std::shared_ptr<Rails> rails);
+  void receive_loop(Peer& p, std::shared_ptr<Rails> rails, std::size_t rail,
+                    std::shared_ptr<Reassembly> reassembly,
+                    std::shared_ptr<std::atomic<bool>> retired);
 
-  Device& device_;
+  std::vector<Device*> devices_;
   Connector connector_;
   Deliver deliver_;
   Down down_;
