@@ -629,6 +629,10 @@ constexpr std::array kSchema{
     Key{"verbs.mr_cache_entries",
         [](N n, Profile& p, C c) { p.verbs.mr_cache_entries = as_uint(n, c, 0, 1048576); },
         [](E e, P p) { e << p.verbs.mr_cache_entries; }, "cached user-buffer registrations"},
+    Key{"verbs.in_place_min_bytes",
+        [](N n, Profile& p, C c) { p.verbs.in_place_min_bytes = as_size(n, c, 0, 16 * GiB); },
+        [](E e, P p) { e << p.verbs.in_place_min_bytes; },
+        "write client-memory pieces this large in place; 0 = always copy"},
 
     Key{"gpu.mps",
         [](N n, Profile& p, C c) { p.gpu.mps = as_enum<std::string_view>(n, c, kMpsModes); },

@@ -116,6 +116,9 @@ struct VerbsSection {
   std::uint64_t slot_bytes = 0;   ///< receive slot size (RDMA WRITE target unit)
   std::uint32_t slots_per_peer = 0;     ///< receive slots (= credits) per connection
   std::uint32_t mr_cache_entries = 0;   ///< user-buffer registrations kept
+  /// Client-memory pieces at least this large are written in place (registered
+  /// with the HCA) instead of copied into the pool; 0 = never.
+  std::uint64_t in_place_min_bytes = 0;
 };
 
 struct LogSection {

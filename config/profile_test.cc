@@ -101,6 +101,7 @@ void check_equal(const cfg::Profile& a, const cfg::Profile& b) {
   CHECK(a.verbs.slot_bytes == b.verbs.slot_bytes);
   CHECK(a.verbs.slots_per_peer == b.verbs.slots_per_peer);
   CHECK(a.verbs.mr_cache_entries == b.verbs.mr_cache_entries);
+  CHECK(a.verbs.in_place_min_bytes == b.verbs.in_place_min_bytes);
   CHECK(a.log.level == b.log.level);
 }
 
@@ -112,7 +113,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   const std::string text(cfg::default_profile_text());
   REQUIRE(!text.empty());
   const std::vector<std::string> keys = cfg::known_keys();
-  CHECK(keys.size() == 42);  // main's 37 + metrics.listen + gpu.stage_chunk_bytes + tcp.io_threads
+  CHECK(keys.size() == 43);  // main's 37 + metrics.listen + gpu.stage_chunk_bytes + tcp.io_threads + verbs.in_place_min_bytes
   CHECK(keys.front() == "node.name");
   CHECK(keys.back() == "metrics.listen");
   for (const std::string& key : keys) {
@@ -162,6 +163,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   CHECK(p.verbs.slot_bytes == 512 * 1024);
   CHECK(p.verbs.slots_per_peer == 16);
   CHECK(p.verbs.mr_cache_entries == 1024);
+  CHECK(p.verbs.in_place_min_bytes == 16 * 1024);
   CHECK(p.log.level == cfg::LogLevel::info);
 
   // No file and no overrides is exactly the default.

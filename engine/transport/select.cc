@@ -222,6 +222,7 @@ void SelectingTransport::open_verbs() {
              std::vector<verbs::VerbsNodeTransport::Item> items) {
         connect_failed(address, why, std::move(items));
       });
+  verbs_->set_in_place_min_bytes(verbs::Options::from_profile(profile_).in_place_min_bytes);
   // Test hook (tests/rdma): a QP error after this many messages.
   if (const char* n = std::getenv("COLLECTIVED_TEST_VERBS_QP_ERROR_AFTER")) {
     verbs_->force_error_after(std::strtoull(n, nullptr, 10));

@@ -489,8 +489,9 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
       for (std::size_t i = 0; i < m.payload.size(); ++i) {
         engine::HostRegion* r = i < m.regions.size() ? m.regions[i] : nullptr;
         const std::size_t len = m.payload[i].size();
-        if (r != nullptr && len >= kInPlaceMinBytes) {
-          const std::size_t ways = len >= rails * kInPlaceMinBytes ? rails : 1;
+        if (r != nullptr && in_place_min_ != 0 && len >= in_place_min_) {
+          const std::size_t split = std::max<std::uint64_t>(in_place_min_, kInPlaceMinBytes);
+          const std::size_t ways = len >= rails * split ? rails : 1;
           for (std::size_t w = 0; w < ways; ++w) {
             Buffer b = registered(r, (home + w) % rails);
             if (!b) {

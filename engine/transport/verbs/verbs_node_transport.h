@@ -56,7 +56,8 @@ struct VerbsPeerStatus {
 
 /// Payload pieces in client memory smaller than this are copied into the pool
 /// with the head: a piece written in place is a write of its own, with a
-/// slot and a completion, which costs more than copying a few KiB.
+/// slot and a completion, which costs more than copying a few KiB. The
+/// default of verbs.in_place_min_bytes (set_in_place_min_bytes).
 inline constexpr std::size_t kInPlaceMinBytes = 16 * 1024;
 
 class VerbsNodeTransport final : public engine::NodeTransport {
@@ -89,7 +90,7 @@ class VerbsNodeTransport final : public engine::NodeTransport {
 
   /// Queues `message`, as one tagged message of one or more writes. Payload
   /// pieces that lie in a client mapping (OutMessage::regions) of at least
-  /// kInPlaceMinBytes are written in place from that memory, registered with
+  /// verbs.in_place_min_bytes are written in place from that memory, registered with
   /// the device once per mapping (the MR cache; the mapping's HostRegion drops
   /// it before the memory is unmapped); the head and the other pieces are
   /// copied into one registered staging buffer of the pool. `done` runs on the
@@ -113,6 +114,9 @@ class VerbsNodeTransport final : public engine::NodeTransport {
   std::vector<Item> take_queued(const std::string& address);
   /// See ConnectFailed; set before the first send.
   void on_connect_failed(ConnectFailed handler) { connect_failed_ = std::move(handler); }
+  /// Pieces of client memory at least this large are written in place; 0:
+  /// none (verbs.in_place_min_bytes). Set before the first send.
+  void set_in_place_min_bytes(std::uint64_t bytes) { in_place_min_ = bytes; }
   /// Test hook: after `writes` more messages to any peer, move that pair's QPs
   /// to the error state once (COLLECTIVED_TEST_VERBS_QP_ERROR_AFTER).
   void force_error_after(std::uint64_t writes) { force_after_ = writes; }
@@ -138,6 +142,7 @@ class VerbsNodeTransport final : public engine::NodeTransport {
   ConnectFailed connect_failed_;
   Clock::duration send_deadline_;
   std::atomic<std::uint64_t> force_after_{0};
+  std::uint64_t in_place_min_ = kInPlaceMinBytes;
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<Peer>> peers_;
 };

@@ -237,6 +237,7 @@ Options Options::from_profile(const config::Profile& p) {
   if (p.verbs.slot_bytes != 0) o.slot_bytes = p.verbs.slot_bytes;
   if (p.verbs.slots_per_peer != 0) o.slots_per_peer = p.verbs.slots_per_peer;
   o.mr_cache_entries = p.verbs.mr_cache_entries;
+  o.in_place_min_bytes = p.verbs.in_place_min_bytes;
   return o;
 }
 

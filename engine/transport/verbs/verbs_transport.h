@@ -45,6 +45,9 @@ struct Options {
   std::uint64_t slot_bytes = 512ull << 10;
   std::uint32_t slots_per_peer = 16;
   std::uint32_t mr_cache_entries = 1024;
+  /// Client-memory pieces at least this large are written in place; 0 = never
+  /// (VerbsNodeTransport).
+  std::uint64_t in_place_min_bytes = 16 * 1024;
   /// Progress thread: busy-poll this long after the last completion, then
   /// sched_yield() until yield_us, then sleep on the completion channel.
   std::uint32_t spin_us = 50;
