@@ -529,21 +529,12 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
       std::size_t run_from = 0;   // message offset of the current staged run
       std::size_t run_stage = 0;  // its offset in staging
       std::size_t run_len = 0;
-      auto flush_run = [&] {
-        if (run_len > 0) {
-          f.writes.emplace_back(home_pair, home_pair->post_write(tag, f.staging, run_stage, run_len,
-                                                                 part(run_from)));
-        }
-        run_stage += run_len;
-        run_len = 0;
-      };
       if (!m.head.empty()) std::memcpy(stage, m.head.data(), m.head.size());
       run_len = m.head.size();
       at = m.head.size();
       for (std::size_t i = 0; i < m.payload.size(); ++i) {
         const auto& piece = m.payload[i];
         if (!direct[i].empty()) {
-          flush_run();
           const std::size_t ways = direct[i].size();
           // Equal shares, 4 KiB aligned, the last one takes the rest.
           const std::size_t share = (piece.size() / ways) & ~std::size_t{4095};
@@ -552,10 +543,17 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
             const std::size_t len = w + 1 == ways ? piece.size() - done_bytes : share;
             const Buffer& b = direct[i][w];
             const std::shared_ptr<Pair>& q = pair->pairs[(home + w) % rails];
-            f.writes.emplace_back(
-                q, q->post_write(tag, b,
-                                 static_cast<std::size_t>(piece.data() - b.data()) + done_bytes,
-                                 len, part(at + done_bytes)));
+            const std::size_t from = static_cast<std::size_t>(piece.data() - b.data()) + done_bytes;
+            if (w == 0 && run_len > 0) {
+              // The staged run before the piece (the head, at least) rides in
+              // front of its first share: one write (home rail), not two.
+              f.writes.emplace_back(q, q->post_write(tag, f.staging, run_stage, run_len, b, from,
+                                                     len, part(run_from)));
+              run_stage += run_len;
+              run_len = 0;
+            } else {
+              f.writes.emplace_back(q, q->post_write(tag, b, from, len, part(at + done_bytes)));
+            }
             done_bytes += len;
           }
           at += piece.size();

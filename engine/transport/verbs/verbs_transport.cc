@@ -310,9 +310,12 @@ struct Pair::Impl {
   // Sending.
   struct WriteOp {
     std::uint64_t tag = 0;
+    Buffer prefix;  // optional: bytes written before `buffer`'s
+    std::size_t prefix_offset = 0;
+    std::size_t prefix_length = 0;
     Buffer buffer;
     std::size_t offset = 0;
-    std::size_t length = 0;
+    std::size_t length = 0;  // prefix_length + the bytes of `buffer`
     MessagePart part;
     std::size_t posted = 0;  // bytes
     std::uint32_t outstanding = 0;
@@ -428,19 +431,37 @@ struct Pair::Impl {
       h->tag = op.tag;
       h->offset = op.part.offset + op.posted;
       h->total = op.part.total != 0 ? op.part.total : op.length;
-      ibv_sge sge[2]{};
+      // Header, then the op's bytes [posted, posted + n): the part of the
+      // prefix not yet written, then the buffer's.
+      ibv_sge sge[3]{};
+      int nsge = 1;
       sge[0].addr = reinterpret_cast<std::uintptr_t>(h);
       sge[0].length = kHeaderBytes;
       sge[0].lkey = headers->lkey();
-      sge[1].addr = reinterpret_cast<std::uintptr_t>(op.buffer.data() + op.offset + op.posted);
-      sge[1].length = static_cast<std::uint32_t>(n);
-      sge[1].lkey = op.buffer.lkey();
+      std::size_t from = op.posted;
+      std::size_t left = n;
+      if (from < op.prefix_length && left > 0) {
+        const std::size_t k = std::min(left, op.prefix_length - from);
+        sge[nsge].addr = reinterpret_cast<std::uintptr_t>(op.prefix.data() + op.prefix_offset + from);
+        sge[nsge].length = static_cast<std::uint32_t>(k);
+        sge[nsge].lkey = op.prefix.lkey();
+        ++nsge;
+        from += k;
+        left -= k;
+      }
+      if (left > 0) {
+        sge[nsge].addr = reinterpret_cast<std::uintptr_t>(op.buffer.data() + op.offset +
+                                                          (from - op.prefix_length));
+        sge[nsge].length = static_cast<std::uint32_t>(left);
+        sge[nsge].lkey = op.buffer.lkey();
+        ++nsge;
+      }
       ibv_send_wr wr{};
       wr.wr_id = wr_id(generation, WrKind::data, q, it->first);
       wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
       wr.send_flags = IBV_SEND_SIGNALED;
       wr.sg_list = sge;
-      wr.num_sge = n > 0 ? 2 : 1;
+      wr.num_sge = nsge;
       wr.imm_data = htonl(slot);
       wr.wr.rdma.remote_addr = remote.slot_addr + slot * remote.slot_stride;
       wr.wr.rdma.rkey = remote.slot_rkey;
@@ -605,7 +626,8 @@ struct Pair::Impl {
     std::memcpy(local.gid, core->gid, 16);
     local.mtu = core->mtu;
     for (std::uint32_t i = 0; i < o.qps_per_connection; ++i) {
-      qps.push_back(std::make_unique<QueuePair>(*core->pd, cq->get(), sq_depth, rq_depth, 2));
+      // Scatter-gather entries per write: slot header, prefix, payload.
+      qps.push_back(std::make_unique<QueuePair>(*core->pd, cq->get(), sq_depth, rq_depth, 3));
       ibv_qp_attr a{};
       a.qp_state = IBV_QPS_INIT;
       a.pkey_index = 0;
@@ -800,17 +822,28 @@ const std::string& Pair::peer() const { return impl_->peer; }
 
 std::uint64_t Pair::post_write(std::uint64_t tag, const Buffer& buffer, std::size_t offset,
                                std::size_t length, MessagePart part) {
+  return post_write(tag, Buffer{}, 0, 0, buffer, offset, length, part);
+}
+
+std::uint64_t Pair::post_write(std::uint64_t tag, const Buffer& prefix, std::size_t prefix_offset,
+                               std::size_t prefix_length, const Buffer& buffer, std::size_t offset,
+                               std::size_t length, MessagePart part) {
   Impl& p = *impl_;
-  if (offset > buffer.size() || length > buffer.size() - offset) {
-    throw Error(Code::invalid_argument, "verbs write to " + p.name() + ": range " +
-                                            std::to_string(offset) + "+" + std::to_string(length) +
-                                            " outside the buffer of " +
-                                            std::to_string(buffer.size()) + " bytes");
-  }
-  if (part.total != 0 && (part.offset > part.total || length > part.total - part.offset)) {
+  auto check_range = [&](const Buffer& b, std::size_t off, std::size_t len) {
+    if (off > b.size() || len > b.size() - off) {
+      throw Error(Code::invalid_argument, "verbs write to " + p.name() + ": range " +
+                                              std::to_string(off) + "+" + std::to_string(len) +
+                                              " outside the buffer of " +
+                                              std::to_string(b.size()) + " bytes");
+    }
+  };
+  check_range(buffer, offset, length);
+  if (prefix_length > 0) check_range(prefix, prefix_offset, prefix_length);
+  const std::size_t all = prefix_length + length;
+  if (part.total != 0 && (part.offset > part.total || all > part.total - part.offset)) {
     throw Error(Code::invalid_argument, "verbs write to " + p.name() + ": part " +
                                             std::to_string(part.offset) + "+" +
-                                            std::to_string(length) + " outside the message of " +
+                                            std::to_string(all) + " outside the message of " +
                                             std::to_string(part.total) + " bytes");
   }
   std::lock_guard lock(p.mu);
@@ -824,9 +857,14 @@ std::uint64_t Pair::post_write(std::uint64_t tag, const Buffer& buffer, std::siz
   const std::uint64_t id = p.next_id++;
   Impl::WriteOp& op = p.ops[id];
   op.tag = tag;
+  if (prefix_length > 0) {
+    op.prefix = prefix;
+    op.prefix_offset = prefix_offset;
+    op.prefix_length = prefix_length;
+  }
   op.buffer = buffer;
   op.offset = offset;
-  op.length = length;
+  op.length = all;
   op.part = part;
   p.pending.push_back(id);
   ++p.stats.writes_posted;
@@ -1140,9 +1178,9 @@ std::unique_ptr<Device> Device::open(std::shared_ptr<const IbverbsLibrary> lib,
   core->gid_type = read_gid_attrs("/sys", hca->name, hca->port, core->gid_index).type;
   core->mtu = port.active_mtu;
   if (options.mtu != 0) core->mtu = std::min(core->mtu, options.mtu);
-  if (core->max_sge < 2) {
+  if (core->max_sge < 3) {
     throw Error(Code::unavailable, core->where() + " supports " + std::to_string(core->max_sge) +
-                                       " scatter-gather entries per work request; 2 are needed");
+                                       " scatter-gather entries per work request; 3 are needed");
   }
 
   core->pd = std::make_unique<ProtectionDomain>(*core->ctx);

@@ -135,6 +135,13 @@ class Pair {
   /// and goes out when the pair is connected.
   std::uint64_t post_write(std::uint64_t tag, const Buffer& buffer, std::size_t offset,
                            std::size_t length, MessagePart part = {});
+  /// The same, with `prefix_length` bytes at `prefix_offset` of `prefix` in
+  /// front of them: the first slot-sized write gathers both (a message's head
+  /// from a staging buffer and its payload from another registration, in one
+  /// write rather than two). `part` places the prefix's first byte.
+  std::uint64_t post_write(std::uint64_t tag, const Buffer& prefix, std::size_t prefix_offset,
+                           std::size_t prefix_length, const Buffer& buffer, std::size_t offset,
+                           std::size_t length, MessagePart part = {});
   /// Waits until write `id` completed locally (the source may be reused).
   void wait_written(std::uint64_t id, Clock::time_point deadline);
   /// Whether write `id` completed locally, without waiting; throws as
