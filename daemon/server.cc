@@ -348,7 +348,13 @@ void Server::fill_status(wire::StatusReply::Builder s) {
   s.setOperationsCompleted(es.completed);
   s.setLogLevel(std::string(config::to_string(log_.level())).c_str());
   tcp::fill_peer_status(peers_, s);
-  if (transport_) transport_->fill_status(s);
+  if (transport_) {
+    transport_->fill_status(s);
+  } else {
+    auto v = s.initVerbs();
+    v.setEnabled(false);
+    v.setReason("no peer listener (peer.port is 0): this daemon serves its own node only");
+  }
   const auto g = gpu_->status();
   auto gs = s.initGpu();
   gs.setAvailable(g.available);
