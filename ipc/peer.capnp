@@ -160,4 +160,5 @@ struct VerbsSetup {
     data @6 :Data;
     abort @7 :Text;
   }
+  rails @8 :UInt32;          # open, accept: HCAs the sender opened (0: a daemon from before rails, one)
 }

@@ -4,7 +4,6 @@
 #include <capnp/serialize.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -24,12 +23,9 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 // Exchange messages of one setup held before the setup thread reads them: a
-// setup has the rail count, then two per rail (parameters, ready), and each
-// side waits for the other's before it sends its next; more is a confused or
-// hostile peer.
+// setup has two per rail (parameters, ready), and each side waits for the
+// other's before it sends its next; more is a confused or hostile peer.
 constexpr std::size_t kMaxBuffered = 16;
-// Opens the first exchange message: "RAIL" and the number of HCAs opened.
-constexpr std::uint32_t kRailsMagic = 0x4c494152;
 
 std::vector<std::byte> encode(capnp::MallocMessageBuilder& mb) {
   const auto words = capnp::messageToFlatArray(mb);
@@ -55,6 +51,7 @@ struct SelectingTransport::Setup {
   std::uint64_t attempt = 0;
   bool initiator = false;
   std::string peer_node;  // from the peer's open (responder) or accept (initiator)
+  std::uint32_t peer_rails = 1;  // HCAs the peer opened (its open or accept)
   bool accepted = false;
   bool peer_gave_up = false;  // its refuse/abort: no abort back
   std::optional<Error> error;
@@ -173,6 +170,7 @@ void SelectingTransport::open_verbs() {
     log_.info("transport_selected", {{"transport", "tcp"}, {"reason", verbs_reason_}});
     return;
   }
+  const verbs::Options options = verbs::Options::from_profile(profile_);
   try {
     // COLLECTIVED_TEST_IBVERBS_SONAME: tests of a machine without libibverbs.
     const char* soname = std::getenv("COLLECTIVED_TEST_IBVERBS_SONAME");
@@ -187,7 +185,6 @@ void SelectingTransport::open_verbs() {
     // one that cannot be opened stops verbs altogether (a node that silently
     // runs on fewer rails than its profile says is the kind of surprise this
     // daemon exists to prevent). None listed: every active port that opens.
-    const verbs::Options options = verbs::Options::from_profile(profile_);
     if (options.hcas.empty()) devices_ = verbs::open_devices(lib_, options, profile_.node.name);
     for (const config::VerbsHca& hca : options.hcas) {
       devices_.push_back(verbs::Device::open(lib_, options, profile_.node.name, hca));
@@ -222,7 +219,7 @@ void SelectingTransport::open_verbs() {
              std::vector<verbs::VerbsNodeTransport::Item> items) {
         connect_failed(address, why, std::move(items));
       });
-  verbs_->set_in_place_min_bytes(verbs::Options::from_profile(profile_).in_place_min_bytes);
+  verbs_->set_in_place_min_bytes(options.in_place_min_bytes);
   // Test hook (tests/rdma): a QP error after this many messages.
   if (const char* n = std::getenv("COLLECTIVED_TEST_VERBS_QP_ERROR_AFTER")) {
     verbs_->force_error_after(std::strtoull(n, nullptr, 10));
@@ -331,7 +328,7 @@ void SelectingTransport::connect(const std::string& address) {
   const std::uint64_t generation = link.finished;
   if (!link.running) {
     if (local_address_ < address) {
-      start_attempt(address, link, random_attempt(), true, "");
+      start_attempt(address, link, random_attempt(), true, "", 1);
     } else {
       // The peer initiates: ask it to (naming the pair this side last had, so
       // that a stale request does not tear down a newer pair).
@@ -359,11 +356,12 @@ void SelectingTransport::connect(const std::string& address) {
 
 void SelectingTransport::start_attempt(const std::string& address, Link& link,
                                        std::uint64_t attempt, bool initiator,
-                                       std::string peer_node) {
+                                       std::string peer_node, std::uint32_t peer_rails) {
   auto s = std::make_shared<Setup>();
   s->attempt = attempt;
   s->initiator = initiator;
   s->peer_node = std::move(peer_node);
+  s->peer_rails = peer_rails;
   if (link.running && !link.running->error) {
     link.running->error.emplace(Code::aborted, "superseded by another verbs setup");
   }
@@ -399,9 +397,11 @@ void SelectingTransport::run_attempt(const std::string& address, std::shared_ptr
       } else {
         m.setAccept(profile_.node.name);
       }
+      m.setRails(static_cast<std::uint32_t>(devices_.size()));
       send_setup(address, encode(mb), s);
     }
     std::string peer_node;
+    std::uint32_t their_rails = 1;
     {
       std::unique_lock lock(mu_);
       const bool ok = cv_.wait_until(lock, deadline, [&] {
@@ -414,30 +414,11 @@ void SelectingTransport::run_attempt(const std::string& address, std::shared_ptr
                                        " did not answer the verbs setup within deadlines.connect_ms");
       }
       peer_node = s->peer_node;
+      their_rails = s->peer_rails;
     }
     SetupChannel channel(*this, address, s);
-    // Rails: both sides say how many HCAs they opened and use the smaller
-    // number, HCA k joined to the peer's HCA k (profile order).
-    {
-      std::array<std::byte, 8> mine{};
-      const std::uint32_t magic = kRailsMagic;
-      const auto count = static_cast<std::uint32_t>(devices_.size());
-      std::memcpy(mine.data(), &magic, 4);
-      std::memcpy(mine.data() + 4, &count, 4);
-      channel.send(mine);
-    }
-    const std::vector<std::byte> theirs = channel.receive(deadline);
-    std::uint32_t magic = 0;
-    std::uint32_t their_rails = 0;
-    if (theirs.size() == 8) {
-      std::memcpy(&magic, theirs.data(), 4);
-      std::memcpy(&their_rails, theirs.data() + 4, 4);
-    }
-    if (magic != kRailsMagic || their_rails == 0) {
-      throw Error(Code::protocol, "node " + peer_node + " at " + address +
-                                      " sent no rail count in its verbs setup (a collectived "
-                                      "older than this one? upgrade every node together)");
-    }
+    // Rails: both sides said in open/accept how many HCAs they opened; both
+    // use the smaller number, HCA k joined to the peer's HCA k (profile order).
     const std::size_t n = std::min<std::size_t>(devices_.size(), their_rails);
     std::vector<std::unique_ptr<verbs::Pair>> pairs;
     std::string text;
@@ -534,7 +515,7 @@ void SelectingTransport::on_setup_message(const std::string& peer,
           refuse(0);
         } else if (!link.running && !stopping_ &&
                    (attempt == 0 || attempt == link.last_ok_attempt || link.last_ok_attempt == 0)) {
-          start_attempt(peer, link, random_attempt(), true, "");
+          start_attempt(peer, link, random_attempt(), true, "", 1);
         }
         break;
       case peerwire::VerbsSetup::OPEN:
@@ -550,13 +531,15 @@ void SelectingTransport::on_setup_message(const std::string& peer,
           reply = encode(mb);
         } else if (!stopping_) {
           link.node = m.getOpen().cStr();
-          start_attempt(peer, link, attempt, false, m.getOpen().cStr());
+          start_attempt(peer, link, attempt, false, m.getOpen().cStr(),
+                        std::max<std::uint32_t>(1, m.getRails()));
         }
         break;
       case peerwire::VerbsSetup::ACCEPT:
         if (s) {
           s->accepted = true;
           s->peer_node = m.getAccept().cStr();
+          s->peer_rails = std::max<std::uint32_t>(1, m.getRails());
           link.node = s->peer_node;
         }
         break;

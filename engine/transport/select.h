@@ -87,7 +87,8 @@ class SelectingTransport final : public engine::NodeTransport {
   void connect(const std::string& address);  // VerbsNodeTransport::Connector
   void on_setup_message(const std::string& peer, engine::MessageBytes payload);  // event loop
   void start_attempt(const std::string& address, Link& link, std::uint64_t attempt,
-                     bool initiator, std::string peer_node);  // under mu_
+                     bool initiator, std::string peer_node,
+                     std::uint32_t peer_rails);  // under mu_
   void run_attempt(const std::string& address, std::shared_ptr<Setup> setup);
   void finish(const std::string& address, const std::shared_ptr<Setup>& setup, Code code,
               std::string error, std::string pair);
