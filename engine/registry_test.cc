@@ -79,6 +79,8 @@ TEST_CASE("a mapping's region: transports attach once, and lose it before the un
   CHECK(region->attachments() == 1);
   CHECK_THROWS(region->attach(&made, []() -> std::shared_ptr<void> { throw Error(Code::system, "x"); }));
   CHECK(region->attachments() == 1);  // a failed attach leaves nothing
+  CHECK(region->attached(&key) != nullptr);
+  CHECK(region->attached(&made) == nullptr);
 
   HostMapping moved = std::move(m);  // the region (and its address) moves along
   CHECK(moved.region() == region);

@@ -54,6 +54,12 @@ class HostRegion {
     }
     return true;
   }
+  /// What is kept under `key` (null if nothing).
+  std::shared_ptr<void> attached(const void* key) const {
+    std::lock_guard lock(mu_);
+    auto it = attached_.find(key);
+    return it == attached_.end() ? nullptr : it->second;
+  }
   /// Drops every attachment now (outside the lock: their destructors may lock).
   void clear() {
     std::map<const void*, std::shared_ptr<void>> gone;

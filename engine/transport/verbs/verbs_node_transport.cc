@@ -19,6 +19,14 @@ namespace {
 // time left the link idle for a round trip per message).
 constexpr std::size_t kWindow = 8;
 
+// What a rail's device keeps on a client mapping (engine::HostRegion): the
+// invalidator that drops its registration with the mapping, and whether the
+// device refused to register it.
+struct RegionState {
+  std::shared_ptr<void> invalidator;
+  std::atomic<bool> refused{false};
+};
+
 }  // namespace
 
 // The connection to one peer: a pair per rail (HCA).
@@ -471,11 +479,20 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
       auto registered = [&](engine::HostRegion* r, std::size_t k) -> Buffer {
         Device& d = *devices_[k];
         auto* base = const_cast<std::byte*>(r->base());
-        r->attach(&d, [&] { return d.invalidator(base, r->size()); });
+        r->attach(&d, [&] {
+          auto st = std::make_shared<RegionState>();
+          st->invalidator = d.invalidator(base, r->size());
+          return st;
+        });
+        const auto st = std::static_pointer_cast<RegionState>(r->attached(&d));
+        if (st->refused.load()) return {};
         try {
           return d.register_memory(base, r->size());
         } catch (const Error& e) {
-          // Not fatal: the piece is copied like any other, and status says why.
+          // Not fatal: this mapping's pieces are copied like any other (not
+          // tried again: a refused registration costs as much as a good
+          // one), and status says why.
+          st->refused.store(true);
           std::lock_guard lock(p.mu);
           p.in_place_error = e.what();
           return {};
@@ -525,13 +542,11 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
       };
       const std::shared_ptr<Pair>& home_pair = pair->pairs[home];
       std::byte* stage = f.staging.data();
-      std::size_t at = 0;         // in the message
-      std::size_t run_from = 0;   // message offset of the current staged run
-      std::size_t run_stage = 0;  // its offset in staging
-      std::size_t run_len = 0;
       if (!m.head.empty()) std::memcpy(stage, m.head.data(), m.head.size());
-      run_len = m.head.size();
-      at = m.head.size();
+      std::size_t at = m.head.size();       // in the message
+      std::size_t run_from = 0;             // message offset of the current staged run
+      std::size_t run_stage = 0;            // its offset in staging
+      std::size_t run_len = m.head.size();  // the head starts the first run
       for (std::size_t i = 0; i < m.payload.size(); ++i) {
         const auto& piece = m.payload[i];
         if (!direct[i].empty()) {
