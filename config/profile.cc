@@ -641,6 +641,10 @@ constexpr std::array kSchema{
         [](N n, Profile& p, C c) { p.gpu.stage_chunk_bytes = as_size(n, c, 0, 16 * GiB); },
         [](E e, P p) { e << p.gpu.stage_chunk_bytes; },
         "cut collectives across nodes into chunks of this size; 0 = never"},
+    Key{"gpu.copy_engine_min_bytes",
+        [](N n, Profile& p, C c) { p.gpu.copy_engine_min_bytes = as_size(n, c, 0, 16 * GiB); },
+        [](E e, P p) { e << p.gpu.copy_engine_min_bytes; },
+        "copies between GPUs this large use the copy engines; 0 = always a kernel"},
 
     Key{"log.level",
         [](N n, Profile& p, C c) { p.log.level = as_enum<LogLevel>(n, c, kLogLevels); },

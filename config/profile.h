@@ -131,6 +131,10 @@ struct GpuSection {
   /// chunks of it (GPU ranks: pipelined staging); 0 = never cut. Every
   /// daemon of a cluster must use the same value.
   std::uint64_t stage_chunk_bytes = 0;
+  /// Copies between two GPUs of at least this many bytes (broadcast,
+  /// all-gather, all-to-all, send/recv over NVLink) run on the GPUs' copy
+  /// engines instead of a copy kernel; 0 = always a kernel.
+  std::uint64_t copy_engine_min_bytes = 16 * 1024 * 1024;
 };
 
 struct MetricsSection {

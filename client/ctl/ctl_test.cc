@@ -222,6 +222,8 @@ TEST_CASE("GPUDirect RDMA says which route is there and why it is on or off") {
   check_gpudirect_rdma(ctx, no_hca);
   CHECK(find(no_hca, "gpudirect rdma")->verdict == Verdict::skip);
   CHECK(find(no_hca, "gpudirect rdma")->detail.rfind("off: no RDMA device", 0) == 0);
+  CHECK(find(no_hca, "gpudirect rdma")->detail.find("with one it would be on (peer memory)") !=
+        std::string::npos);
 }
 
 TEST_CASE("memlock: the daemon's limit from /proc/PID/limits") {

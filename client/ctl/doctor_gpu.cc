@@ -327,7 +327,11 @@ void check_gpudirect_rdma(DoctorContext& ctx, Report& r) {
   if (!ctx.has_gpu) {
     r.add("gpudirect rdma", Verdict::skip, "off: no GPU; " + s.reason);
   } else if (!ctx.has_hca) {
-    r.add("gpudirect rdma", Verdict::skip, "off: no RDMA device; " + s.reason);
+    // Say what an HCA would get, so that a node about to receive one can be
+    // checked now (the route is decided by the GPUs and the kernel modules).
+    r.add("gpudirect rdma", Verdict::skip,
+          "off: no RDMA device on this node; with one it would be " +
+              (s.enabled ? "on (" + s.route + "): " : std::string("off: ")) + s.reason);
   } else if (s.enabled) {
     r.add("gpudirect rdma", Verdict::pass, "on (" + s.route + "): " + s.reason);
   } else {

@@ -189,6 +189,9 @@ class GpuExecutor {
 struct GpuOptions {
   std::string mps = "off";  ///< profile gpu.mps: managed | external | off
   std::uint64_t stage_chunk_bytes = 0;  ///< profile gpu.stage_chunk_bytes (0: never cut)
+  /// profile gpu.copy_engine_min_bytes: copies between GPUs of at least this
+  /// many bytes run on the copy engines (0: always a copy kernel).
+  std::uint64_t copy_engine_min_bytes = 0;
 };
 std::unique_ptr<GpuExecutor> make_gpu_executor(Logger& log, const GpuOptions& options);
 

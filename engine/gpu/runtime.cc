@@ -407,7 +407,9 @@ class Stage final : public GpuStage {
 class CudaExecutor final : public GpuExecutor {
  public:
   CudaExecutor(Logger& log, const GpuOptions& options)
-      : log_(log), stage_chunk_bytes_(options.stage_chunk_bytes) {
+      : log_(log),
+        stage_chunk_bytes_(options.stage_chunk_bytes),
+        copy_engine_min_bytes_(options.copy_engine_min_bytes) {
     // Every kernel loaded when the context is made. With lazy loading (the
     // default since CUDA 12.2) the first launch of each kernel loads it, and
     // loading may synchronize the context: a launch enqueued behind a stream
@@ -1178,7 +1180,17 @@ class CudaExecutor final : public GpuExecutor {
                                        static_cast<kernels::RedOp>(op.redop), a, blocks, stream),
                "reduction kernel");
     };
-    std::vector<std::pair<const std::byte*, std::byte*>> pairs;
+    // Copies of rank `from`'s bytes into rank `to`'s buffer; `peer` when the
+    // two lie on different GPUs (the bytes cross NVLink).
+    struct Copy {
+      const std::byte* src;
+      std::byte* dst;
+      bool peer;
+    };
+    std::vector<Copy> pairs;
+    auto copy = [&](int from, int to, const std::byte* src, std::byte* dst) {
+      pairs.push_back({src, dst, rank_dev[from] != rank_dev[to]});
+    };
     const std::uint64_t one = op.count * es;
     switch (op.kind) {
       case OpKind::all_reduce: {
@@ -1216,14 +1228,14 @@ class CudaExecutor final : public GpuExecutor {
           if (!mine(r)) continue;
           for (int j = 0; j < n; ++j) {
             std::byte* dst = recv[r] + j * one;
-            if (dst != send[j]) pairs.emplace_back(send[j], dst);
+            if (dst != send[j]) copy(j, r, send[j], dst);
           }
         }
         break;
       case OpKind::broadcast:
         for (int r = 0; r < n; ++r) {
           if (!mine(r)) continue;
-          if (recv[r] != send[op.root]) pairs.emplace_back(send[op.root], recv[r]);
+          if (recv[r] != send[op.root]) copy(op.root, r, send[op.root], recv[r]);
         }
         break;
       case OpKind::all_to_all: {
@@ -1233,7 +1245,7 @@ class CudaExecutor final : public GpuExecutor {
           for (int r = 0; r < n; ++r) {
             if (!mine(r)) continue;
             for (int j = 0; j < n; ++j) {
-              pairs.emplace_back(send[j] + r * one, recv[r] + j * one);
+              copy(j, r, send[j] + r * one, recv[r] + j * one);
             }
           }
           break;
@@ -1267,19 +1279,37 @@ class CudaExecutor final : public GpuExecutor {
       case OpKind::p2p:
         // A matched send (rank 0's send) and receive (rank 1's recv).
         if (n == 2 && one != 0 && send[0] != nullptr && recv[1] != nullptr && send[0] != recv[1]) {
-          pairs.emplace_back(send[0], recv[1]);
+          copy(0, 1, send[0], recv[1]);
         }
         break;
       default:
         throw Error(Code::invalid_argument,
                     std::string(to_string(op.kind)) + " does not run on GPU buffers");
     }
-    for (std::size_t k = 0; k < pairs.size(); k += kMaxKernelPointers) {
+    // Large copies between GPUs go to the copy engines when this GPU's share
+    // is only such copies: a DMA over NVLink needs no SMs and, measured on 2
+    // H200 (docs/gpu.md, eighth run), moves 4-12 % more per second than the
+    // copy kernel over the peer mapping from 16 MiB (broadcast). A share that
+    // also copies inside the GPU keeps the one kernel: on the same stream the
+    // copy engine and the kernel run one after the other, where the kernel
+    // overlaps both (all-gather out of place was 6-28 % slower that way).
+    const bool engines = copy_engine_min_bytes_ != 0 && one >= copy_engine_min_bytes_ &&
+                         std::all_of(pairs.begin(), pairs.end(), [](const Copy& c) { return c.peer; });
+    std::vector<Copy> kernel_pairs;
+    for (const Copy& c : pairs) {
+      if (engines) {
+        check_rt(cudaMemcpyAsync(c.dst, c.src, one, cudaMemcpyDefault, stream),
+                 "cudaMemcpyAsync between GPUs (copy engine)");
+      } else {
+        kernel_pairs.push_back(c);
+      }
+    }
+    for (std::size_t k = 0; k < kernel_pairs.size(); k += kMaxKernelPointers) {
       CopyLaunch c{};
-      c.n = static_cast<int>(std::min<std::size_t>(kMaxKernelPointers, pairs.size() - k));
+      c.n = static_cast<int>(std::min<std::size_t>(kMaxKernelPointers, kernel_pairs.size() - k));
       for (int x = 0; x < c.n; ++x) {
-        c.src[x] = pairs[k + x].first;
-        c.dst[x] = pairs[k + x].second;
+        c.src[x] = kernel_pairs[k + x].src;
+        c.dst[x] = kernel_pairs[k + x].dst;
       }
       c.bytes = one;
       check_rt(kernels::launch_copy(c, blocks, stream), "copy kernel");
@@ -1462,6 +1492,10 @@ class CudaExecutor final : public GpuExecutor {
   // cases to a wash, depending on the algorithms between nodes. Every daemon
   // of a cluster must use the same value (profile gpu.stage_chunk_bytes).
   const std::uint64_t stage_chunk_bytes_;
+  // Copies from one GPU to another of at least this many bytes go to the
+  // copy engines (cudaMemcpyAsync over the peer mapping) instead of the copy
+  // kernel; 0: always the kernel (profile gpu.copy_engine_min_bytes).
+  const std::uint64_t copy_engine_min_bytes_;
   std::shared_ptr<CudaDriver> cu_;  // mappings hold it too: they may outlive the executor
   std::unique_ptr<MpsControl> mps_;
   mutable std::mutex mu_;

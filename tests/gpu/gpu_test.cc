@@ -384,8 +384,8 @@ int chunked_body(GpuRank& g) {
   return wrong == 0 ? 0 : 1;
 }
 
-void matrix(int gpus) {
-  Daemon daemon;
+void matrix(int gpus, std::vector<std::string> overrides = {}) {
+  Daemon daemon(Daemon::Options{.overrides = std::move(overrides)});
   with_ranks(daemon, 2, gpus, matrix_body);
 }
 
@@ -452,6 +452,17 @@ TEST_CASE("gpu: every operation, dtype and reduction, 2 ranks on 2 GPUs (or 1), 
 }
 
 TEST_CASE("gpu: 2 ranks sharing one GPU") { matrix(1); }
+
+TEST_CASE("gpu: copies between GPUs on the copy engines (gpu.copy_engine_min_bytes=1), bit-exact") {
+  // Every copy that crosses GPUs (all-gather, broadcast, all-to-all, in and
+  // out of place, 1-byte to 2.4 MB copies) as a cudaMemcpyAsync instead of
+  // the copy kernel.
+  if (g_gpus < 2) {
+    MESSAGE("skipped: needs 2 GPUs, this machine has " << g_gpus);
+    return;
+  }
+  matrix(2, {"gpu.copy_engine_min_bytes=1"});
+}
 
 TEST_CASE("gpu: stream order: the operation waits for a held-back producer, the CPU does not") {
   Daemon d;
