@@ -21,8 +21,12 @@ std::string MpsControl::pipe_directory() {
 }
 
 bool MpsControl::running() {
+  // The control endpoint is a FIFO in older drivers and a Unix socket in
+  // CUDA 13's nvidia-cuda-mps-control ("Starting control daemon using socket
+  // .../control"): looking for a FIFO alone reported MPS as off while it ran.
   struct stat st{};
-  return ::stat((pipe_directory() + "/control").c_str(), &st) == 0 && S_ISFIFO(st.st_mode);
+  return ::stat((pipe_directory() + "/control").c_str(), &st) == 0 &&
+         (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode));
 }
 
 namespace {
