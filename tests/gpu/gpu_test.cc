@@ -613,7 +613,7 @@ TEST_CASE("gpu: a rank that dies before its operation: the peer's stream is rele
   CHECK(d.alive());
 }
 
-// Known failure (docs/gpu.md): skipped by default; --no-skip runs it.
+// Ran as a known failure once; fixed (docs/gpu.md, "The killed-client hang"), runs by default.
 TEST_CASE("gpu: a client killed while its operation is queued on the GPU: no hang for the peer or the daemon") {
   // A short operation deadline: if the daemon does not even see the client go
   // (its process stuck in exit), the deadline fails the operation, naming it.
