@@ -111,6 +111,8 @@ TEST_CASE("status, comms and peers name a stuck operation's missing rank with it
   CHECK(has(s.output, "all_reduce(count=1024, dtype=float, op=sum)"));
   CHECK(has(s.output, "waiting"));
   CHECK(has(s.output, rank1));
+  // No GPU here (no driver, or a build without CUDA): said on its own line.
+  CHECK(has(s.output, "\ngpus:       none: no GPU"));
 
   auto j = ctl({"status", "--json", "--socket", d.socket()});
   INFO(j.output);
@@ -122,6 +124,8 @@ TEST_CASE("status, comms and peers name a stuck operation's missing rank with it
   // The verbs transport: off here, saying why.
   CHECK(has(j.output, "\"verbs\":{\"enabled\":false,\"reason\":\"no peer listener"));
   CHECK(has(j.output, "\"mr_cache_entries\":0"));
+  CHECK(has(j.output, "\"gpu\":{\"available\":false,\"reason\":\"no GPU"));
+  CHECK(has(j.output, "\"mps\":\"off\""));
 
   auto cm = ctl({"comms", "--socket", d.socket()});
   CHECK(cm.code == 0);

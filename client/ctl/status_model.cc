@@ -84,6 +84,16 @@ DaemonStatus from_wire(wire::StatusReply::Reader s) {
     d.mr_cache_hits = v.getMrCacheHits();
     d.mr_cache_misses = v.getMrCacheMisses();
   }
+  if (s.hasGpu()) {
+    auto g = s.getGpu();
+    d.gpu_available = g.getAvailable();
+    d.gpu_reason = g.getReason();
+    for (auto dev : g.getDevices()) d.gpu_devices.emplace_back(dev);
+    d.mps = g.getMps();
+    d.mps_reason = g.getMpsReason();
+    d.gpu_mappings = g.getMappings();
+    d.gpu_mapped_bytes = g.getMappedBytes();
+  }
   d.peer_address = s.getPeerAddress();
   for (auto c : s.getComms()) {
     CommRow row;

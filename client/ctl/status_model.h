@@ -89,6 +89,13 @@ struct DaemonStatus {
   std::string verbs_reason, verbs_device, gpudirect, gpudirect_reason;
   std::uint64_t verbs_pool_bytes = 0, verbs_pool_in_use = 0;
   std::uint64_t mr_cache_entries = 0, mr_cache_hits = 0, mr_cache_misses = 0;
+  /// The daemon's GPUs: whether it can run on them (and why not), the MPS
+  /// mode in force and why, client allocations it has open.
+  bool gpu_available = false;
+  std::string gpu_reason, mps, mps_reason;
+  std::vector<std::string> gpu_devices;
+  std::uint32_t gpu_mappings = 0;
+  std::uint64_t gpu_mapped_bytes = 0;
   std::vector<CommRow> comms;
 };
 

@@ -111,6 +111,35 @@ void json_verbs(Json& j, const DaemonStatus& s) {
       .end_object();
 }
 
+void json_gpu(Json& j, const DaemonStatus& s) {
+  j.key("gpu")
+      .begin_object()
+      .field("available", s.gpu_available)
+      .field("reason", s.gpu_reason)
+      .key("devices")
+      .begin_array();
+  for (const auto& d : s.gpu_devices) j.value(d);
+  j.end_array()
+      .field("mps", s.mps)
+      .field("mps_reason", s.mps_reason)
+      .field("mappings", s.gpu_mappings)
+      .field("mapped_bytes", s.gpu_mapped_bytes)
+      .end_object();
+}
+
+// "gpus:       2 (GPU 0 ..., GPU 1 ...); MPS: off (...); 3 client allocations open, 1.0 GiB"
+std::string gpu_line(const DaemonStatus& s) {
+  if (!s.gpu_available) return "gpus:       none: " + s.gpu_reason + "\n";
+  std::string out = "gpus:       " + std::to_string(s.gpu_devices.size());
+  if (!s.gpu_devices.empty()) {
+    out += " (";
+    for (std::size_t i = 0; i < s.gpu_devices.size(); ++i) out += (i ? "; " : "") + s.gpu_devices[i];
+    out += ")";
+  }
+  return out + "; " + std::to_string(s.gpu_mappings) + " client allocations open, " +
+         human_bytes(s.gpu_mapped_bytes) + "\n" + "mps:        " + s.mps_reason + "\n";
+}
+
 void json_peers(Json& j, const DaemonStatus& s) {
   j.key("peers").begin_array();
   for (const auto& p : s.peers) {
@@ -269,6 +298,7 @@ std::string print_status(const DaemonStatus& s, bool json) {
     json_comms(j, s);
     json_peers(j, s);
     json_verbs(j, s);
+    json_gpu(j, s);
     j.end_object();
     return j.str();
   }
@@ -292,6 +322,7 @@ std::string print_status(const DaemonStatus& s, bool json) {
   out += "operations: " + std::to_string(s.in_flight) + " in flight, " +
          std::to_string(s.completed) + " completed, " + std::to_string(s.worker_threads) +
          " worker threads\n";
+  out += gpu_line(s);
   out += "\nclients: " + std::to_string(s.clients.size()) + "\n";
   if (!s.clients.empty()) out += clients_table(s);
   out += "\ncommunicators: " + std::to_string(s.communicators) + "\n";
