@@ -30,7 +30,9 @@ bool MpsControl::running() {
 }
 
 namespace {
-int run_control(const char* arg, const char* stdin_text) {
+// Runs nvidia-cuda-mps-control with `arg` and `stdin_text`; waits for it
+// and returns its exit code when `wait`, else returns 0 once it started.
+int run_control(const char* arg, const char* stdin_text, bool wait = true) {
   int in[2];
   if (::pipe(in) != 0) return -1;
   posix_spawn_file_actions_t fa;
@@ -54,6 +56,7 @@ int run_control(const char* arg, const char* stdin_text) {
     [[maybe_unused]] auto w = ::write(in[1], t.data(), t.size());
   }
   ::close(in[1]);
+  if (!wait) return 0;
   int status = 0;
   ::waitpid(pid, &status, 0);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -96,7 +99,14 @@ MpsControl::MpsControl(Logger& log, std::string mode) : log_(log) {
 }
 
 MpsControl::~MpsControl() {
-  if (started_) run_control(nullptr, "quit\n");
+  // Not waited for: "quit" waits for every MPS client to go, and this
+  // process is one until it exits (its CUDA contexts live until then).
+  // Waiting here hung the daemon's exit on the GPU machine; the control
+  // daemon stops once this process is gone.
+  if (started_) {
+    run_control(nullptr, "quit\n", /*wait=*/false);
+    log_.info("mps_stop_requested", {{"pipe_directory", pipe_directory()}});
+  }
 }
 
 }  // namespace collectived::engine::gpu

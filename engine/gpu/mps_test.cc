@@ -37,16 +37,20 @@ struct PipeDir {
   std::string control() const { return path + "/control"; }
 };
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
 
 }  // namespace
 
-TEST_CASE("the control endpoint: a Unix socket (CUDA 13) or a FIFO counts, anything else does not") {
+TEST_CASE(
+    "the control endpoint: a Unix socket (CUDA 13) or a FIFO counts, anything else does not") {
   PipeDir dir;
   Logger log(collectived::config::LogLevel::error);
   CHECK(gpu::MpsControl::pipe_directory() == dir.path);
   CHECK_FALSE(gpu::MpsControl::running());
-  CHECK(contains(gpu::MpsControl(log, "external").reason(), "but no MPS control daemon answers at " + dir.path));
+  CHECK(contains(gpu::MpsControl(log, "external").reason(),
+                 "but no MPS control daemon answers at " + dir.path));
 
   // A listening Unix socket, as nvidia-cuda-mps-control -d of CUDA 13 makes it.
   const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
@@ -57,7 +61,8 @@ TEST_CASE("the control endpoint: a Unix socket (CUDA 13) or a FIFO counts, anyth
   REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
   REQUIRE(::listen(fd, 1) == 0);
   CHECK(gpu::MpsControl::running());
-  CHECK(contains(gpu::MpsControl(log, "external").reason(), "external (gpu.mps: external): an MPS control daemon answers"));
+  CHECK(contains(gpu::MpsControl(log, "external").reason(),
+                 "external (gpu.mps: external): an MPS control daemon answers"));
   // managed finds it and neither starts nor (at exit) stops one.
   CHECK(contains(gpu::MpsControl(log, "managed").reason(), "already answered at " + dir.path));
   CHECK(contains(gpu::MpsControl(log, "off").reason(), "though an MPS control daemon answers"));
@@ -70,7 +75,11 @@ TEST_CASE("the control endpoint: a Unix socket (CUDA 13) or a FIFO counts, anyth
   std::filesystem::remove(dir.control());
 
   // A regular file is not a control daemon.
-  { FILE* f = std::fopen(dir.control().c_str(), "w"); REQUIRE(f != nullptr); std::fclose(f); }
+  {
+    FILE* f = std::fopen(dir.control().c_str(), "w");
+    REQUIRE(f != nullptr);
+    std::fclose(f);
+  }
   CHECK_FALSE(gpu::MpsControl::running());
   CHECK(contains(gpu::MpsControl(log, "off").reason(), "processes sharing a GPU time-slice it"));
 }
