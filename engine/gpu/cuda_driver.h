@@ -87,6 +87,18 @@ struct MemAccessDesc {
   MemLocation location;
   int flags;
 };
+/// CUmemPoolProps: 88 bytes in every CUDA 12 and 13 header (the fields after
+/// win32SecurityAttributes, maxSize and usage, came out of its reserved bytes).
+struct MemPoolProps {
+  int allocType;
+  int handleTypes;
+  MemLocation location;
+  void* win32SecurityAttributes;
+  std::size_t maxSize;
+  unsigned short usage;
+  unsigned char reserved[54];
+};
+static_assert(sizeof(MemPoolProps) == 88);
 }  // namespace cu
 
 /// The driver entry points collectived uses. One object, loaded once by whoever
@@ -169,6 +181,9 @@ class CudaDriver {
   X(cuMemsetD32, cu::Result (*)(cu::DevicePtr, unsigned, std::size_t))                       \
   X(cuMemsetD32Async, cu::Result (*)(cu::DevicePtr, unsigned, std::size_t, cu::Stream))      \
   X(cuMemAllocAsync, cu::Result (*)(cu::DevicePtr*, std::size_t, cu::Stream))                 \
+  X(cuMemPoolCreate, cu::Result (*)(cu::MemPool*, const cu::MemPoolProps*))                   \
+  X(cuMemAllocFromPoolAsync, cu::Result (*)(cu::DevicePtr*, std::size_t, cu::MemPool, cu::Stream)) \
+  X(cuMemFreeAsync, cu::Result (*)(cu::DevicePtr, cu::Stream))                                \
   X(cuDevicePrimaryCtxRetain, cu::Result (*)(cu::Context*, cu::Device))                       \
   X(cuCtxSetCurrent, cu::Result (*)(cu::Context))                                             \
   X(cuStreamCreate, cu::Result (*)(cu::Stream*, unsigned))                                    \
