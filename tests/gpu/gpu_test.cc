@@ -598,6 +598,9 @@ TEST_CASE("gpu: cudaMallocAsync memory from a pool made shareable (POSIX fd): ex
     g.ok(g.cu->cuMemAllocFromPoolAsync(&in, bytes, pool, g.stream), "cuMemAllocFromPoolAsync");
     g.ok(g.cu->cuMemAllocFromPoolAsync(&out, bytes, pool, g.stream), "cuMemAllocFromPoolAsync");
     g.ok(g.cu->cuMemsetD32Async(in, 3 + g.rank, count, g.stream), "memset");
+    // Steps on stderr: where it stops is the diagnosis (see the comment above).
+    std::fprintf(stderr, "rank %d: pool allocations %#llx %#llx made\n", g.rank,
+                 static_cast<unsigned long long>(in), static_cast<unsigned long long>(out));
     for (bool in_place : {false, true}) {
       collective_request_t* req = nullptr;
       const cu::DevicePtr dst = in_place ? in : out;
@@ -606,7 +609,9 @@ TEST_CASE("gpu: cudaMallocAsync memory from a pool made shareable (POSIX fd): ex
         std::fprintf(stderr, "rank %d: pool memory refused: %s\n", g.rank, collective_last_error());
         return 10;
       }
+      std::fprintf(stderr, "rank %d: all-reduce submitted (in place: %d)\n", g.rank, in_place);
       g.ok(g.cu->cuStreamSynchronize(g.stream), "sync");
+      std::fprintf(stderr, "rank %d: stream synchronized\n", g.rank);
       if (collective_wait(req, 30000) != COLLECTIVE_OK) {
         std::fprintf(stderr, "rank %d: %s\n", g.rank, collective_last_error());
         return 11;
