@@ -18,6 +18,9 @@ namespace {
 
 /// A temporary file as the log's descriptor, read back whole.
 struct Sink {
+  Sink() = default;
+  Sink(const Sink&) = delete;
+  Sink& operator=(const Sink&) = delete;
   std::FILE* f = std::tmpfile();
   int fd() const { return ::fileno(f); }
   std::string text() const {

@@ -127,7 +127,8 @@ void json_gpu(Json& j, const DaemonStatus& s) {
       .end_object();
 }
 
-// "gpus:       2 (GPU 0 ..., GPU 1 ...); MPS: off (...); 3 client allocations open, 1.0 GiB"
+// "gpus:       2 (0: NVIDIA H200 (...); 1: ...); 3 client allocations open, 1.0 GiB"
+// then "mps:        <the mode in force and why>"; or "gpus:       none: <why>".
 std::string gpu_line(const DaemonStatus& s) {
   if (!s.gpu_available) return "gpus:       none: " + s.gpu_reason + "\n";
   std::string out = "gpus:       " + std::to_string(s.gpu_devices.size());

@@ -183,7 +183,6 @@ class CudaDriver {
   X(cuMemAllocAsync, cu::Result (*)(cu::DevicePtr*, std::size_t, cu::Stream))                 \
   X(cuMemPoolCreate, cu::Result (*)(cu::MemPool*, const cu::MemPoolProps*))                   \
   X(cuMemAllocFromPoolAsync, cu::Result (*)(cu::DevicePtr*, std::size_t, cu::MemPool, cu::Stream)) \
-  X(cuMemFreeAsync, cu::Result (*)(cu::DevicePtr, cu::Stream))                                \
   X(cuDevicePrimaryCtxRetain, cu::Result (*)(cu::Context*, cu::Device))                       \
   X(cuCtxSetCurrent, cu::Result (*)(cu::Context))                                             \
   X(cuStreamCreate, cu::Result (*)(cu::Stream*, unsigned))                                    \
