@@ -1,6 +1,7 @@
 // Private to libcollective: state shared by the C API's translation units.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -88,6 +89,29 @@ collective_client_t* comm_client(collective_comm_t* comm);
 std::string comm_where(const collective_comm_t* comm);
 
 struct GpuState;  // client/gpu.cc
+class DirectComm;   // client/direct.h
+class LocalCompletion;
+
+/// A communicator's GPU side (client/gpu.cc): decided at its first
+/// stream-ordered collective.
+struct CommGpu {
+  std::mutex mu;
+  /// 0: not yet; 1: being decided; 2: decided (at the communicator's first
+  /// stream-ordered collective, through the daemon's broker).
+  std::atomic<int> state{0};
+  std::string path = "undecided: no stream-ordered collective yet";
+  std::unique_ptr<DirectComm> direct;  ///< set: the client's own kernels run what they take
+  CommGpu();
+  ~CommGpu();
+};
+CommGpu& comm_gpu(collective_comm_t* comm);
+/// The daemon's handle of the communicator (this rank's).
+std::uint64_t comm_handle(const collective_comm_t* comm);
+
+/// A request for an operation the client runs itself: collective_wait and
+/// collective_test poll `done` instead of waiting for a daemon's reply.
+collective_request_t* new_local_request(collective_comm_t* comm, std::string what,
+                                        std::unique_ptr<LocalCompletion> done);
 
 }  // namespace collectived::client
 

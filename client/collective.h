@@ -296,7 +296,10 @@ COLLECTIVE_API void collective_request_free(collective_request_t* request);
  * non-blocking `stream` does not wait for). They never block the
  * calling thread on the GPU. Every rank of the communicator must make the same
  * call. The daemon runs the operation with its own kernels over the GPUs' peer
- * mappings (NVLink). `request` may be NULL (nothing to wait for; errors then go
+ * mappings (NVLink); or, where every rank of the communicator owns one GPU of
+ * one node and the daemon allows it (profile gpu.client_kernels), all-reduce,
+ * reduce-scatter, all-gather and broadcast run as libcollective's own kernels
+ * on `stream` (collective_comm_gpu_path says which). `request` may be NULL (nothing to wait for; errors then go
  * unseen); with one, collective_wait() reports the outcome once the GPU work
  * is done. If an operation fails, the caller's stream is released anyway (its
  * output is then undefined) and the request carries the error.
@@ -359,6 +362,13 @@ typedef struct collective_gpu_status {
 
 COLLECTIVE_API collective_result_t collective_gpu_status(collective_client_t* client,
                                                          collective_gpu_status_t* out);
+
+/** Who runs this communicator's stream-ordered collectives, and why: "client
+ *  kernels: ..." (libcollective's own kernels on the caller's stream, for the
+ *  operations they take), "daemon: <why not the client's kernels>", or
+ *  "undecided: ..." before its first stream-ordered collective. Valid until
+ *  the communicator is destroyed. */
+COLLECTIVE_API const char* collective_comm_gpu_path(collective_comm_t* comm);
 
 #ifdef __cplusplus
 }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "client/client_internal.h"
+#include "client/direct.h"
 
 using namespace collectived;
 using namespace collectived::client;
@@ -49,6 +50,7 @@ struct collective_comm {
     std::uint64_t bytes = 0;
   };
   std::vector<Item> items;
+  CommGpu gpu;  // destroyed first: the client's kernels finish before the comm goes
 
   std::string where() const {
     return "communicator " + name + " (rank " + std::to_string(rank) + " of " +
@@ -65,6 +67,7 @@ struct collective_request {
   collective_result_t result = COLLECTIVE_OK;
   std::string message;
   std::function<void()> on_failure;  // GPU operations: releases the caller's stream
+  std::unique_ptr<LocalCompletion> local;  // run by the client itself (client/direct.h)
 };
 
 namespace {
@@ -99,6 +102,21 @@ void settle(collective_request_t* r, ipc::IncomingFrame* reply, const Error* bro
 collective_result_t finish(collective_request_t* r) {
   if (r->result == COLLECTIVE_OK) return COLLECTIVE_OK;
   return fail(static_cast<Code>(r->result), r->message);
+}
+
+// A request the client runs itself: polls its GPU work.
+collective_result_t wait_local(collective_request_t* r, std::chrono::milliseconds limit) {
+  Code code = Code::ok;
+  std::string message;
+  if (!r->local->poll(limit, code, message)) {
+    if (limit.count() == 0) return COLLECTIVE_OK;  // collective_test: not yet
+    return fail(Code::timeout, "collective_wait: " + r->what + " not complete after " +
+                                   std::to_string(limit.count()) + " ms (the request is still pending)");
+  }
+  r->done = true;
+  r->result = static_cast<collective_result_t>(code);
+  r->message = std::move(message);
+  return finish(r);
 }
 
 collective_result_t submit(collective_comm_t* comm, wire::OpKind kind, const void* send,
@@ -224,6 +242,18 @@ collective_result_t submit_gpu_group(collective_comm_t* comm, collective_request
 }
 
 collective_client_t* comm_client(collective_comm_t* comm) { return comm->client; }
+CommGpu& comm_gpu(collective_comm_t* comm) { return comm->gpu; }
+std::uint64_t comm_handle(const collective_comm_t* comm) { return comm->handle; }
+CommGpu::CommGpu() = default;
+CommGpu::~CommGpu() = default;
+
+collective_request_t* new_local_request(collective_comm_t* comm, std::string what,
+                                        std::unique_ptr<LocalCompletion> done) {
+  auto* r = new_request(comm, 0, std::move(what));
+  r->local = std::move(done);
+  r->done = r->local == nullptr;  // nothing to run (count 0): complete now
+  return r;
+}
 std::string comm_where(const collective_comm_t* comm) { return comm->where(); }
 
 }  // namespace collectived::client
@@ -566,6 +596,7 @@ collective_result_t collective_wait(collective_request_t* r, int timeout_ms) {
                            ? r->conn->operation_deadline() +
                                  std::chrono::milliseconds(kDeadlineMargin)
                            : std::chrono::milliseconds(timeout_ms);
+    if (r->local) return wait_local(r, limit);
     try {
       auto reply = r->conn->wait_reply(r->id, Clock::now() + limit);
       if (!reply) {
@@ -585,6 +616,11 @@ collective_result_t collective_test(collective_request_t* r, int* done) {
   if (r == nullptr || done == nullptr) {
     return fail(Code::invalid_argument, "collective_test: request and done must be set");
   }
+  if (!r->done && r->local) {
+    wait_local(r, std::chrono::milliseconds(0));
+    *done = r->done ? 1 : 0;
+    return r->done ? finish(r) : COLLECTIVE_OK;
+  }
   if (!r->done) {
     try {
       auto reply = r->conn->try_reply(r->id);
@@ -599,7 +635,7 @@ collective_result_t collective_test(collective_request_t* r, int* done) {
 
 void collective_request_free(collective_request_t* r) {
   if (r == nullptr) return;
-  if (!r->done) r->conn->abandon(r->id);
+  if (!r->done && !r->local) r->conn->abandon(r->id);
   delete r;
 }
 

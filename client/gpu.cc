@@ -11,11 +11,13 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <optional>
 #include <cstdio>
 #include <thread>
 #include <vector>
 
 #include "client/client_internal.h"
+#include "client/direct.h"
 #include "engine/gpu/cuda_driver.h"
 
 using namespace collectived;
@@ -59,6 +61,7 @@ struct GpuState {
   std::mutex tickets_mu;  // tickets[] between submitters and the watchdog
   std::atomic<bool> stop{false};
   std::thread watchdog;
+  DirectPolicy direct;  // what the daemon allows (AttachedGpu)
 
   /// If the daemon dies, nothing writes the flag words any more: release every
   /// stream still waiting, so that the application's GPU never hangs on us
@@ -137,7 +140,15 @@ std::shared_ptr<GpuState> gpu_state(collective_client_t* client) {
   capnp::MallocMessageBuilder b;
   b.initRoot<wire::Message>().initAttachGpu().setBytes(bytes);
   const int fds[1] = {fd.get()};
-  client->conn->call(b, fds, Clock::now() + kControlTimeout);
+  auto reply = client->conn->call(b, fds, Clock::now() + kControlTimeout);
+  if (reply->message().isAttachedGpu()) {
+    auto a = reply->message().getAttachedGpu();
+    s->direct.allowed = a.getClientKernels();
+    s->direct.reason = a.getReason().cStr();
+    s->direct.max_bytes = a.getMaxBytes();
+  } else {
+    s->direct.reason = "the daemon does not offer the client's kernels (an older collectived)";
+  }
   s->watch(client->conn->socket_fd());
   client->gpu = s;
   return s;
@@ -370,6 +381,111 @@ class StreamSubmit final : public GpuSubmit {
   std::uint32_t word_ = 0, ticket_ = 0;
 };
 
+/// The communicator's client kernels, set up at its first stream-ordered
+/// collective (a collective step: every rank is in the same call); null where
+/// its operations go to the daemon.
+DirectComm* direct_for(collective_comm_t* comm, const std::shared_ptr<GpuState>& s, void* stream) {
+  CommGpu& g = comm_gpu(comm);
+  if (g.state.load() == 2) return g.direct.get();
+  std::lock_guard lock(g.mu);
+  if (g.state.load() == 2) return g.direct.get();
+  g.state = 1;
+  const CudaDriver& cu = *s->cu;
+  cu::Context ctx = nullptr;
+  cu.check(cu.cuStreamGetCtx(static_cast<cu::Stream>(stream), &ctx), "cuStreamGetCtx of the caller's stream");
+  std::string why;
+  try {
+    g.direct = DirectComm::setup(comm, std::shared_ptr<const CudaDriver>(s, s->cu.get()), ctx,
+                                 s->direct, comm_client(comm)->conn->node_name(), why);
+  } catch (const Error& e) {
+    g.path = std::string("daemon: setting up the client's kernels failed: ") + e.what();
+    g.state = 2;
+    throw;
+  }
+  g.path = g.direct ? g.direct->description() : "daemon: " + why;
+  g.state = 2;
+  return g.direct.get();
+}
+
+/// Checks a buffer of the client's kernels: device memory the driver knows.
+void check_device_pointer(const CudaDriver& cu, const void* p, std::uint64_t bytes, const char* which) {
+  if (bytes == 0) return;
+  unsigned type = 0;
+  const cu::Result r = cu.cuPointerGetAttribute(&type, cu::kPointerAttributeMemoryType,
+                                               reinterpret_cast<cu::DevicePtr>(p));
+  if (r != cu::kSuccess || type != cu::kMemoryTypeDevice) {
+    throw Error(Code::invalid_argument, std::string(which) + " buffer " + ptr_text(p) +
+                                            " is not GPU memory the CUDA driver knows");
+  }
+}
+
+/// The client's kernels need no registration, but a registration of memory
+/// since freed must not outlive it: the daemon would keep the freed memory
+/// mapped (and pinned), and a later registration of new memory there could
+/// meet the old mapping. Drops the registration at `p`'s allocation base if
+/// the memory there is no longer the registered buffer.
+void drop_stale(collective_client_t* client, GpuState& s, const void* p, std::uint64_t bytes) {
+  if (bytes == 0) return;
+  std::uint64_t stale = 0;
+  {
+    std::lock_guard lock(client->gpu_mutex);
+    if (s.regs.empty()) return;
+    const CudaDriver& cu = *s.cu;
+    cu::DevicePtr base = 0;
+    std::size_t size = 0;
+    if (cu.cuMemGetAddressRange(&base, &size, reinterpret_cast<cu::DevicePtr>(p)) != cu::kSuccess) return;
+    auto it = s.regs.find(base);
+    if (it == s.regs.end()) return;
+    std::uint64_t id = 0;
+    if (cu.cuPointerGetAttribute(&id, cu::kPointerAttributeBufferId, reinterpret_cast<cu::DevicePtr>(p)) !=
+            cu::kSuccess ||
+        (id == it->second.buffer_id && size == it->second.size)) {
+      return;
+    }
+    stale = it->second.handle;
+    s.regs.erase(it);
+  }
+  try {
+    deregister_handle(client, stale);
+  } catch (const Error&) {
+    // Already gone on the daemon's side.
+  }
+}
+
+collective_result_t run_direct(collective_comm_t* comm, DirectComm& d, direct::Kind kind,
+                               const void* send, std::uint64_t send_bytes, void* recv,
+                               std::uint64_t recv_bytes, std::size_t count,
+                               collective_dtype_t dtype, collective_redop_t redop, int root,
+                               void* stream, const char* name, collective_request_t** request) {
+  if (request != nullptr) *request = nullptr;
+  if (redop < COLLECTIVE_SUM || redop > COLLECTIVE_AVG) {
+    return fail(Code::invalid_argument, std::string(name) + " on " + comm_where(comm) +
+                                            ": unknown reduction " + std::to_string(redop));
+  }
+  if (root < 0 || root >= collective_comm_size(comm)) {
+    return fail(Code::invalid_argument, std::string(name) + " on " + comm_where(comm) + ": root " +
+                                            std::to_string(root) + " is not a rank");
+  }
+  const std::string what = std::string(name) + " on " + comm_where(comm);
+  return guarded(name, [&] {
+    try {
+      auto s = gpu_state(comm_client(comm));
+      check_device_pointer(*s->cu, send, send_bytes, "send");
+      check_device_pointer(*s->cu, recv, recv_bytes, "recv");
+      drop_stale(comm_client(comm), *s, send, send_bytes);
+      drop_stale(comm_client(comm), *s, recv, recv_bytes);
+      std::unique_ptr<LocalCompletion> done;
+      if (count > 0) {
+        done = d.run(kind, send, recv, count, static_cast<int>(dtype), static_cast<int>(redop), root,
+                     static_cast<cu::Stream>(stream), request != nullptr, what);
+      }
+      if (request != nullptr) *request = new_local_request(comm, what, std::move(done));
+    } catch (const Error& e) {
+      throw Error(e.code(), "on " + comm_where(comm) + ": " + e.what());
+    }
+  });
+}
+
 collective_result_t stream_op(collective_comm_t* comm, wire::OpKind kind, const void* send,
                               std::uint64_t send_bytes, void* recv, std::uint64_t recv_bytes,
                               std::size_t count, collective_dtype_t dtype,
@@ -379,6 +495,27 @@ collective_result_t stream_op(collective_comm_t* comm, wire::OpKind kind, const 
   std::shared_ptr<GpuState> s;
   const collective_result_t r = guarded(name, [&] { s = gpu_state(comm_client(comm)); });
   if (r != COLLECTIVE_OK) return r;
+  // The client's own kernels, where every rank of the communicator owns one
+  // GPU of this node (decided once, by every rank at the same operation).
+  DirectComm* direct = nullptr;
+  const collective_result_t dr = guarded(name, [&] { direct = direct_for(comm, s, stream); });
+  if (dr != COLLECTIVE_OK) return dr;
+  if (direct != nullptr) {
+    const std::size_t es = collective_dtype_size(dtype);
+    std::optional<direct::Kind> dk;
+    switch (kind) {
+      case wire::OpKind::ALL_REDUCE: dk = direct::kAllReduce; break;
+      case wire::OpKind::REDUCE_SCATTER: dk = direct::kReduceScatter; break;
+      case wire::OpKind::ALL_GATHER: dk = direct::kAllGather; break;
+      case wire::OpKind::BROADCAST: dk = direct::kBroadcast; break;
+      default: break;  // reduce, all-to-all: the daemon
+    }
+    // The same choice on every rank: it depends on the operation alone.
+    if (dk && es != 0 && count * es <= direct->max_bytes()) {
+      return run_direct(comm, *direct, *dk, send, send_bytes, recv, recv_bytes, count, dtype, redop,
+                        root, stream, name, request);
+    }
+  }
   StreamSubmit submit(comm_client(comm), s, static_cast<cu::Stream>(stream));
   return submit_gpu_collective(comm, kind, send, send_bytes, recv, recv_bytes, count, dtype, redop,
                                root, name, request, submit);
@@ -522,6 +659,13 @@ collective_result_t collective_all_to_all_stream(collective_comm_t* comm, const 
   const std::uint64_t n = comm ? static_cast<std::uint64_t>(collective_comm_size(comm)) : 0;
   return stream_op(comm, wire::OpKind::ALL_TO_ALL, send, b * n, recv, b * n, count, dtype,
                    COLLECTIVE_SUM, 0, stream, "all_to_all", request);
+}
+
+const char* collective_comm_gpu_path(collective_comm_t* comm) {
+  if (comm == nullptr) return "no communicator";
+  CommGpu& g = comm_gpu(comm);
+  std::lock_guard lock(g.mu);
+  return g.path.c_str();
 }
 
 collective_result_t collective_gpu_status(collective_client_t* client,

@@ -682,6 +682,7 @@ struct Rank {
       }
     }
     if (rank == 0) {
+      if (o.gpu) std::printf("# GPU path: %s\n", collective_comm_gpu_path(comm));
       std::printf("# Out of bounds values : %ld %s\n", wrong_total, wrong_total ? "FAILED" : "OK");
       std::printf("# Avg bus bandwidth    : %g \n", bw_count ? bw_sum / bw_count : 0.0);
       std::printf("#\n# Collective test concluded: collective-perf\n#\n");

@@ -438,6 +438,11 @@ constexpr std::array<EnumName<std::string_view>, 3> kMpsModes{{
     {"external", "external"},
     {"off", "off"},
 }};
+constexpr std::array<EnumName<std::string_view>, 3> kClientKernelModes{{
+    {"auto", "auto"},
+    {"on", "on"},
+    {"off", "off"},
+}};
 
 std::vector<TransportKind> as_transports(const YAML::Node& node, const Context& ctx) {
   std::vector<TransportKind> out;
@@ -645,6 +650,18 @@ constexpr std::array kSchema{
         [](N n, Profile& p, C c) { p.gpu.copy_engine_min_bytes = as_size(n, c, 0, 16 * GiB); },
         [](E e, P p) { e << p.gpu.copy_engine_min_bytes; },
         "copies between GPUs this large use the copy engines; 0 = always a kernel"},
+    Key{"gpu.client_kernels",
+        [](N n, Profile& p, C c) {
+          p.gpu.client_kernels = as_enum<std::string_view>(n, c, kClientKernelModes);
+        },
+        [](E e, P p) { e << p.gpu.client_kernels; },
+        "client libraries run one-GPU-per-rank collectives themselves: auto (without MPS), on, off"},
+    Key{"gpu.client_kernel_max_bytes",
+        [](N n, Profile& p, C c) {
+          p.gpu.client_kernel_max_bytes = as_size(n, c, 256, 1 * GiB);
+        },
+        [](E e, P p) { e << p.gpu.client_kernel_max_bytes; },
+        "largest rank buffer the client's kernels take (scratch: 2 x ranks x this per GPU)"},
 
     Key{"log.level",
         [](N n, Profile& p, C c) { p.log.level = as_enum<LogLevel>(n, c, kLogLevels); },

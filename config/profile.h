@@ -135,6 +135,13 @@ struct GpuSection {
   /// all-gather, all-to-all, send/recv over NVLink) run on the GPUs' copy
   /// engines instead of a copy kernel; 0 = always a kernel.
   std::uint64_t copy_engine_min_bytes = 16 * 1024 * 1024;
+  /// Collectives of a communicator whose ranks each own one GPU of this node
+  /// run as kernels the client library launches on the caller's stream
+  /// (client/direct.cc): auto (where MPS is not in force), on, or off.
+  std::string client_kernels = "auto";
+  /// Largest rank buffer (bytes) those kernels take; larger operations go to
+  /// the daemon. Each rank holds 2 x ranks x this in GPU scratch.
+  std::uint64_t client_kernel_max_bytes = 8 * 1024 * 1024;
 };
 
 struct MetricsSection {

@@ -113,7 +113,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   const std::string text(cfg::default_profile_text());
   REQUIRE(!text.empty());
   const std::vector<std::string> keys = cfg::known_keys();
-  CHECK(keys.size() == 44);  // main's 37 + metrics.listen + gpu.stage_chunk_bytes + tcp.io_threads + verbs.in_place_min_bytes + gpu.copy_engine_min_bytes
+  CHECK(keys.size() == 46);  // main's 37 + metrics.listen + gpu.stage_chunk_bytes + tcp.io_threads + verbs.in_place_min_bytes + gpu.copy_engine_min_bytes + gpu.client_kernels + gpu.client_kernel_max_bytes
   CHECK(keys.front() == "node.name");
   CHECK(keys.back() == "metrics.listen");
   for (const std::string& key : keys) {
@@ -126,6 +126,8 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   CHECK(p.gpu.mps == "off");
   CHECK(p.gpu.stage_chunk_bytes == 0);
   CHECK(p.gpu.copy_engine_min_bytes == 16 * 1024 * 1024);
+  CHECK(p.gpu.client_kernels == "auto");
+  CHECK(p.gpu.client_kernel_max_bytes == 8 * 1024 * 1024);
   CHECK(p.client.socket == "/run/collectived/collectived.sock");
   CHECK(p.client.socket_mode == 0660);
   CHECK(p.client.allowed_uids == std::vector<std::uint32_t>{0});

@@ -199,6 +199,7 @@ void Server::arm_deadline_sweep() {
   sweep_timer_.async_wait([this](boost::system::error_code ec) {
     if (ec || stopping_) return;
     engine_.check_deadlines();
+    direct_broker_.check_deadlines(profile_.deadlines.operation);
     arm_deadline_sweep();
   });
 }
@@ -303,6 +304,7 @@ void Server::on_accept(stream::socket socket) {
 }
 
 void Server::session_closed(std::uint64_t session_id) {
+  direct_broker_.session_gone(session_id);
   // Deferred: the session may still be on the stack of its own handler.
   asio::post(io_, [this, session_id] {
     sessions_.erase(session_id);

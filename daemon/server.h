@@ -56,6 +56,7 @@ class Server final : public SessionHost {
   void session_closed(std::uint64_t session_id) override;
   PeerManager& peers() override { return peers_; }
   engine::gpu::GpuExecutor& gpu() override { return *gpu_; }
+  DirectBroker& direct_broker() override { return direct_broker_; }
 
  private:
   void accept_next();
@@ -77,6 +78,7 @@ class Server final : public SessionHost {
   // After engine_: destroyed first, joining its completion thread (which
   // answers through the engine) while the engine is still there.
   std::unique_ptr<engine::gpu::GpuExecutor> gpu_;
+  DirectBroker direct_broker_;
   boost::asio::io_context io_;
   // After io_ (sessions it holds go before the io_context), after engine_
   // (its thread submits into the engine).

@@ -46,6 +46,9 @@ const char* message_name(wire::Message::Which w) {
     case wire::Message::ATTACH_RING: return "AttachRing";
     case wire::Message::REGISTER_GPU: return "RegisterGpu";
     case wire::Message::ATTACH_GPU: return "AttachGpu";
+    case wire::Message::ATTACHED_GPU: return "AttachedGpu";
+    case wire::Message::DIRECT_JOIN: return "DirectJoin";
+    case wire::Message::DIRECT_JOINED: return "DirectJoined";
   }
   return "unknown";
 }
@@ -279,9 +282,18 @@ void ClientSession::dispatch_hot(std::uint64_t id, wire::Message::Reader m, bool
       host_.engine().comm_split(client_ref(), id, r.getComm(), r.getColor(), r.getKey());
       break;
     }
-    case wire::Message::COMM_DESTROY:
-      host_.engine().comm_destroy(client_ref(), id, m.getCommDestroy().getComm());
+    case wire::Message::COMM_DESTROY: {
+      const std::uint64_t handle = m.getCommDestroy().getComm();
+      if (const auto shape = host_.engine().comm_shape(id_, handle)) {
+        host_.direct_broker().comm_gone(shape->id);
+      }
+      {
+        std::lock_guard lock(host_seen_mu_);
+        host_seen_.erase(handle);
+      }
+      host_.engine().comm_destroy(client_ref(), id, handle);
       break;
+    }
     case wire::Message::COMM_ABORT:
       host_.engine().comm_abort(client_ref(), id, m.getCommAbort().getComm());
       break;
@@ -304,8 +316,21 @@ void ClientSession::handle_collective(std::uint64_t id, wire::Collective::Reader
   // Across nodes, above the profile's gpu.stage_chunk_bytes: cut in chunks
   // (host and GPU ranks alike; daemon/session_gpu.cc).
   if (submit_chunked(id, req, from_worker)) return;
-  if (req.hasGpu()) a.gpu = gpu_sync(req.getGpu());
+  if (req.hasGpu()) {
+    a.gpu = gpu_sync(req.getGpu());
+  } else if (a.kind != engine::OpKind::barrier) {
+    note_host_collective(req.getComm());
+  }
   host_.engine().collective(client_ref(from_worker), id, req.getComm(), a);
+}
+
+void ClientSession::note_host_collective(std::uint64_t comm) {
+  {
+    std::lock_guard lock(host_seen_mu_);
+    if (!host_seen_.insert(comm).second) return;  // told once per communicator
+  }
+  const auto shape = host_.engine().comm_shape(id_, comm);
+  if (shape) host_.direct_broker().host_collective(shape->id, shape->rank, who());
 }
 
 void ClientSession::handle_p2p(std::uint64_t id, wire::P2PGroup::Reader req, bool from_worker) {
@@ -482,6 +507,9 @@ void ClientSession::dispatch(ipc::IncomingFrame& frame) {
         case wire::Message::ATTACH_GPU:
           handle_attach_gpu(request_id, m.getAttachGpu(), frame.fds());
           break;
+        case wire::Message::DIRECT_JOIN:
+          handle_direct_join(request_id, m.getDirectJoin());
+          break;
         case wire::Message::COMM_READY:
         case wire::Message::COMPLETED:
         case wire::Message::HELLO_REPLY:
@@ -490,6 +518,8 @@ void ClientSession::dispatch(ipc::IncomingFrame& frame) {
         case wire::Message::REGISTERED:
         case wire::Message::STATUS_REPLY:
         case wire::Message::PEER_PONG:
+        case wire::Message::ATTACHED_GPU:
+        case wire::Message::DIRECT_JOINED:
           throw Error(Code::invalid_usage,
                       std::string(what) + " is a daemon-to-client message; a client cannot send it");
         default:

@@ -11,10 +11,12 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "config/profile.h"
+#include "daemon/direct_broker.h"
 #include "engine/engine.h"
 #include "engine/gpu/executor.h"
 #include "engine/host_mapping.h"
@@ -50,6 +52,8 @@ class SessionHost {
   virtual PeerManager& peers() = 0;
   /// GPU memory and stream-ordered collectives (engine/gpu/executor.h).
   virtual engine::gpu::GpuExecutor& gpu() = 0;
+  /// The clients' exchange for their own GPU kernels (direct_broker.h).
+  virtual DirectBroker& direct_broker() = 0;
 };
 
 /// Identity of a client from SO_PEERCRED, fixed at accept().
@@ -117,6 +121,9 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
   void handle_register_gpu(std::uint64_t id, wire::RegisterGpu::Reader req,
                            std::vector<UniqueFd>& fds);
   void handle_attach_gpu(std::uint64_t id, wire::AttachGpu::Reader req, std::vector<UniqueFd>& fds);
+  void handle_direct_join(std::uint64_t id, wire::DirectJoin::Reader req);
+  /// Tells the broker of this rank's first collective on host memory per communicator.
+  void note_host_collective(std::uint64_t comm);
   std::shared_ptr<engine::gpu::RankSync> gpu_sync(wire::GpuSync::Reader req);
   /// An all-reduce, broadcast or reduce across nodes larger than the profile's
   /// gpu.stage_chunk_bytes, on host or GPU buffers alike (every rank cuts it
@@ -148,6 +155,8 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
   std::deque<std::vector<std::byte>> outbox_;
   bool writing_ = false;
   bool hello_done_ = false;
+  std::mutex host_seen_mu_;
+  std::set<std::uint64_t> host_seen_;  // communicators whose host collectives the broker knows of
   std::atomic<bool> close_after_flush_ = false;
   std::atomic<bool> closed_ = false;
   bool frame_timer_armed_ = false;

@@ -102,10 +102,30 @@ void ClientSession::handle_attach_gpu(std::uint64_t id, wire::AttachGpu::Reader 
                 "AttachGpu expects one memfd descriptor, got " + std::to_string(fds.size()));
   }
   host_.gpu().attach_flags(id_, std::move(fds[0]), req.getBytes());
+  const auto& g = host_.profile().gpu;
+  const auto st = host_.gpu().status();
+  // The client's own kernels save the two hand-offs between its stream and
+  // the daemon's (~35 us per operation without MPS, a few us under it).
+  bool on = g.client_kernels == "on";
+  std::string why;
+  if (g.client_kernels == "off") {
+    why = "gpu.client_kernels is off: the daemon runs every GPU collective";
+  } else if (on) {
+    why = "gpu.client_kernels is on";
+  } else if (st.mps_active) {
+    why = "gpu.client_kernels is auto and MPS is in force (hand-offs to the daemon are cheap): "
+          "the daemon runs every GPU collective";
+  } else {
+    on = true;
+    why = "gpu.client_kernels is auto and MPS is not in force";
+  }
   capnp::MallocMessageBuilder b;
   auto m = b.initRoot<wire::Message>();
   m.setId(id);
-  m.setOk();
+  auto a = m.initAttachedGpu();
+  a.setClientKernels(on);
+  a.setReason(why.c_str());
+  a.setMaxBytes(g.client_kernel_max_bytes);
   send(ipc::encode_frame(b));
 }
 
@@ -265,6 +285,39 @@ bool ClientSession::submit_chunked(std::uint64_t id, wire::Collective::Reader re
     host_.engine().collective(ref, id, req.getComm(), a);
   }
   return true;
+}
+
+void ClientSession::handle_direct_join(std::uint64_t id, wire::DirectJoin::Reader req) {
+  const auto shape = host_.engine().comm_shape(id_, req.getComm());
+  if (!shape) {
+    throw Error(Code::not_found, "DirectJoin: communicator handle " + std::to_string(req.getComm()) +
+                                     " is not one of this client's");
+  }
+  const auto blob = req.getBlob();
+  if (blob.size() > 1024 || req.getRound() < 1 || req.getRound() > 3) {
+    throw Error(Code::invalid_argument, "DirectJoin: round " + std::to_string(req.getRound()) +
+                                            " with " + std::to_string(blob.size()) +
+                                            " bytes (rounds 1-3, at most 1024 bytes)");
+  }
+  std::weak_ptr<ClientSession> self = weak_from_this();
+  host_.direct_broker().join(
+      shape->id, req.getRound(), shape->rank, shape->nranks, shape->nodes, id_,
+      std::string(reinterpret_cast<const char*>(blob.begin()), blob.size()),
+      [self, id](const std::vector<std::string>& blobs, const std::string& declined) {
+        auto s = self.lock();
+        if (!s) return;
+        capnp::MallocMessageBuilder b;
+        auto m = b.initRoot<wire::Message>();
+        m.setId(id);
+        auto j = m.initDirectJoined();
+        auto list = j.initBlobs(static_cast<unsigned>(blobs.size()));
+        for (unsigned i = 0; i < blobs.size(); ++i) {
+          list.set(i, capnp::Data::Reader(reinterpret_cast<const capnp::byte*>(blobs[i].data()),
+                                          blobs[i].size()));
+        }
+        j.setDeclined(declined.c_str());
+        s->send(ipc::encode_frame(b));
+      });
 }
 
 }  // namespace collectived::daemon

@@ -82,6 +82,7 @@ struct OpSnapshot {
 /// What a client session needs to know of one of its communicators to shape
 /// a request (GPU operations across nodes are cut into chunks).
 struct CommShape {
+  std::uint64_t id = 0;  ///< the communicator on this daemon (the same for all its ranks)
   std::uint32_t rank = 0;
   std::uint32_t nranks = 0;
   std::uint32_t nodes = 1;  ///< nodes its ranks live on

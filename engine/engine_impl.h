@@ -239,6 +239,8 @@ struct Executor {
 
 struct Comm {
   std::string name;
+  /// This daemon's number for it, never reused (Engine::comm_shape's id).
+  std::uint64_t serial = 0;
   int nranks = 0;
   // Communicators that span nodes ("" and one node otherwise).
   std::string uid;                        // the same on every node
@@ -341,6 +343,7 @@ struct Engine::Impl {
   Registry& registry;
   Logger& log;
   mutable std::mutex mu;
+  std::uint64_t comm_serial = 0;  // the last Comm::serial given (under mu)
   std::map<std::string, Rendezvous> rendezvous;
   std::map<std::uint64_t, std::pair<std::shared_ptr<Comm>, int>> handles;  // handle -> (comm, rank)
   std::uint64_t next_handle = 1;

@@ -691,6 +691,7 @@ std::optional<std::pair<Code, std::string>> Engine::Impl::join_rendezvous(
     return std::nullopt;
   }
   auto comm = std::make_shared<Comm>();
+  comm->serial = ++comm_serial;
   comm->name = rv.name;
   comm->nranks = rv.nranks;
   comm->local_count = rv.nranks;
@@ -783,6 +784,7 @@ std::shared_ptr<Comm> Engine::Impl::make_spanning_comm(
     const std::vector<std::string>& names, const std::map<int, Joiner>& local,
     std::vector<Delivery>& out) {
   auto comm = std::make_shared<Comm>();
+  comm->serial = ++comm_serial;
   comm->name = name;
   comm->uid = uid;
   comm->nranks = static_cast<int>(node_of_rank.size());
@@ -1018,6 +1020,7 @@ void Engine::Impl::make_split_children(const std::shared_ptr<Comm>& cp, std::uin
                                   [&](int r) { return !parent.members[r].remote; });
     if (!mine) continue;
     auto child = std::make_shared<Comm>();
+    child->serial = ++comm_serial;
     child->name = parent.name + "." + std::to_string(color);
     child->nranks = static_cast<int>(ranks.size());
     if (parent.spans_nodes()) {

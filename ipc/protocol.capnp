@@ -270,6 +270,9 @@ struct Message {
     peerPong @20 :PeerPong;
     registerGpu @21 :RegisterGpu;
     attachGpu @22 :AttachGpu;
+    attachedGpu @23 :AttachedGpu;
+    directJoin @24 :DirectJoin;
+    directJoined @25 :DirectJoined;
   }
 }
 
@@ -372,6 +375,32 @@ struct RegisterGpu {
 # daemon writes when an operation is done. One fd travels with it.
 struct AttachGpu {
   bytes @0 :UInt64;
+}
+
+# The answer to AttachGpu: whether the client may run the collectives of a
+# communicator whose ranks each own one GPU of this node with its own kernels
+# on the caller's stream (client/direct.cc), and why (profile
+# gpu.client_kernels and the MPS mode in force).
+# One round of the exchange with which the ranks of a communicator set up the
+# client's kernels (client/direct.h, daemon/direct_broker.h): answered with
+# every rank's blob once every rank has joined the round, or declined (a rank
+# on host memory, ranks on several nodes, a rank gone, the deadline). Not an
+# operation of the communicator: it takes no sequence number.
+struct DirectJoin {
+  comm @0 :UInt64;
+  round @1 :UInt32;         # 1, 2 or 3
+  blob @2 :Data;            # at most 1 KiB
+}
+
+struct DirectJoined {
+  blobs @0 :List(Data);     # every rank's, in rank order (empty when declined)
+  declined @1 :Text;        # set: the communicator's GPU collectives go to the daemon, and why
+}
+
+struct AttachedGpu {
+  clientKernels @0 :Bool;
+  reason @1 :Text;
+  maxBytes @2 :UInt64;      # gpu.client_kernel_max_bytes: largest rank buffer they take
 }
 
 # The stream hand-off of one stream-ordered collective: the client recorded an

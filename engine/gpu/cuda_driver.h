@@ -24,6 +24,8 @@ using Context = struct CtxOpaque*;
 using Stream = struct StreamOpaque*;
 using Event = struct EventOpaque*;
 using MemPool = struct MemPoolOpaque*;
+using Module = struct ModuleOpaque*;
+using Function = struct FunctionOpaque*;
 using GenericAllocationHandle = std::uint64_t;
 
 inline constexpr Result kSuccess = 0;
@@ -55,6 +57,9 @@ inline constexpr unsigned kEventInterprocess = 0x4;
 // CUstreamWaitValue_flags / CUstreamWriteValue_flags
 inline constexpr unsigned kStreamWaitValueGeq = 0x0;
 inline constexpr unsigned kStreamWriteValueDefault = 0x0;
+// cuMemHostAlloc flags
+inline constexpr unsigned kMemHostAllocPortable = 0x1;
+inline constexpr unsigned kMemHostAllocDeviceMap = 0x2;
 // cuMemHostRegister flags
 inline constexpr unsigned kMemHostRegisterPortable = 0x1;
 inline constexpr unsigned kMemHostRegisterDeviceMap = 0x2;
@@ -172,7 +177,16 @@ class CudaDriver {
   X(cuMemPoolExportPointer, cu::Result (*)(cu::MemPoolPtrExportData*, cu::DevicePtr))       \
   X(cuMemPoolImportPointer, cu::Result (*)(cu::DevicePtr*, cu::MemPool, cu::MemPoolPtrExportData*)) \
   X(cuMemPoolDestroy, cu::Result (*)(cu::MemPool))                                            \
+  X(cuMemPoolSetAccess, cu::Result (*)(cu::MemPool, const cu::MemAccessDesc*, std::size_t))   \
   X(cuMemFree, cu::Result (*)(cu::DevicePtr))                                                \
+  /* libcollective's own kernels (client/direct.cc): */                                     \
+  X(cuModuleLoadData, cu::Result (*)(cu::Module*, const void*))                               \
+  X(cuModuleUnload, cu::Result (*)(cu::Module))                                               \
+  X(cuModuleGetFunction, cu::Result (*)(cu::Function*, cu::Module, const char*))             \
+  X(cuLaunchKernel, cu::Result (*)(cu::Function, unsigned, unsigned, unsigned, unsigned,     \
+                                   unsigned, unsigned, unsigned, cu::Stream, void**, void**)) \
+  X(cuMemHostAlloc, cu::Result (*)(void**, std::size_t, unsigned))                           \
+  X(cuMemFreeHost, cu::Result (*)(void*))                                                     \
   /* Used by tools and tests (collective-perf -g, tests/gpu): */                             \
   X(cuMemAlloc, cu::Result (*)(cu::DevicePtr*, std::size_t))                                  \
   X(cuMemcpyHtoD, cu::Result (*)(cu::DevicePtr, const void*, std::size_t))                   \

@@ -120,6 +120,7 @@ struct GpuStatus {
   std::vector<std::string> devices;  ///< "0: NVIDIA H100 80GB HBM3 (GPU-<uuid>)"
   std::string mps;                   ///< managed | external | off
   std::string mps_reason;
+  bool mps_active = false;           ///< an MPS control daemon serves the node's contexts
   std::uint32_t mappings = 0;        ///< open client allocations
   std::uint64_t mapped_bytes = 0;
 };

@@ -65,6 +65,9 @@ int run_control(const char* arg, const char* stdin_text, bool wait = true) {
 
 MpsControl::MpsControl(Logger& log, std::string mode) : log_(log) {
   const std::string dir = pipe_directory();
+  // CUDA contexts (the daemon's and the clients') join a control daemon that
+  // answers in their pipe directory whatever gpu.mps says.
+  active_ = running();
   if (mode == "off") {
     reason_ = running() ? "off (gpu.mps: off), though an MPS control daemon answers at " + dir +
                               ": clients that use it share the GPU through it"
@@ -92,6 +95,7 @@ MpsControl::MpsControl(Logger& log, std::string mode) : log_(log) {
   }
   for (int i = 0; i < 100 && !running(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   started_ = running();
+  active_ = started_;
   reason_ = started_ ? "managed (gpu.mps: managed): collectived started the MPS control daemon at " + dir
                      : "managed (gpu.mps: managed): nvidia-cuda-mps-control -d ran, but no control "
                        "pipe appeared at " + dir + ": running without MPS";

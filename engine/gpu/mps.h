@@ -25,6 +25,9 @@ class MpsControl {
 
   /// Mode in force and why, for status.
   const std::string& reason() const { return reason_; }
+  /// An MPS control daemon answered when the mode was decided: the node's
+  /// CUDA contexts share the GPUs through it.
+  bool active() const { return active_; }
   /// The pipe directory clients must share.
   static std::string pipe_directory();
   /// An MPS control daemon answers there.
@@ -34,6 +37,7 @@ class MpsControl {
   Logger& log_;
   std::string reason_;
   bool started_ = false;
+  bool active_ = false;
 };
 
 }  // namespace collectived::engine::gpu

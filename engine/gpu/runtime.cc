@@ -419,6 +419,7 @@ class CudaExecutor final : public GpuExecutor {
     status_.mps = options.mps;
     mps_ = std::make_unique<MpsControl>(log, options.mps);
     status_.mps_reason = mps_->reason();
+    status_.mps_active = mps_->active();
     try {
       init();
       status_.available = true;
@@ -1059,7 +1060,23 @@ class CudaExecutor final : public GpuExecutor {
     std::memcpy(&m->handle, a.handle.data(), sizeof m->handle);
     m->size = a.size;
     m->device = dev;
-    m->open_first();
+    for (int attempt = 0;; ++attempt) {
+      try {
+        m->open_first();
+        break;
+      } catch (const Error& e) {
+        // Memory freed and allocated again by the client can reach us under
+        // a new handle while the old registration's mapping of it is still
+        // open here (waiting in the graveyard, or held by an operation that
+        // is finishing): the driver then refuses the new one as already
+        // mapped. Close what is buried and try again for a while.
+        if (attempt >= 100 || std::string_view(e.what()).find("AlreadyMapped") == std::string_view::npos) {
+          throw;
+        }
+        for (auto& g : graveyard_->take()) g.reset();
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+    }
     std::lock_guard lock(mu_);
     legacy_cache_[a.handle] = m;
     // Drop cache entries of closed mappings now and then.
@@ -1122,6 +1139,20 @@ class CudaExecutor final : public GpuExecutor {
                "cudaMallocAsync memory: cuMemPoolImportFromShareableHandle");
     cu::MemPoolPtrExportData data;
     std::memcpy(&data, a.handle.data(), sizeof data);
+    // An imported pool's memory is reachable from its own GPU only until
+    // access is granted: the other GPUs' kernels read and write it over
+    // NVLink (split operations). Without this a kernel of the other GPU hit
+    // unmapped memory and the operation never completed (the eighth run's
+    // hang).
+    for (const auto& d : devices_) {
+      const int other = d.ordinal;
+      if (other == dev) continue;
+      cu::MemAccessDesc acc{};
+      acc.location = {cu::kMemLocationTypeDevice, other};
+      acc.flags = cu::kMemAccessFlagsProtReadWrite;
+      cu_->check(cu_->cuMemPoolSetAccess(m->pool, &acc, 1),
+                 "cudaMallocAsync memory: cuMemPoolSetAccess for GPU " + std::to_string(other));
+    }
     cu::DevicePtr p = 0;
     cu_->check(cu_->cuMemPoolImportPointer(&p, m->pool, &data),
                "cudaMallocAsync memory: cuMemPoolImportPointer");

@@ -384,10 +384,24 @@ int chunked_body(GpuRank& g) {
   return wrong == 0 ? 0 : 1;
 }
 
-void matrix(int gpus, std::vector<std::string> overrides = {}) {
+/// Runs the matrix; every rank then checks who ran its stream-ordered
+/// collectives (collective_comm_gpu_path) starts with `path`.
+void matrix(int gpus, std::vector<std::string> overrides = {}, std::string path = "") {
   Daemon daemon(Daemon::Options{.overrides = std::move(overrides)});
-  with_ranks(daemon, 2, gpus, matrix_body);
+  with_ranks(daemon, 2, gpus, [&](GpuRank& g) {
+    const int rc = matrix_body(g);
+    const std::string got = collective_comm_gpu_path(g.comm);
+    if (g.rank == 0) std::fprintf(stderr, "gpu path: %s\n", got.c_str());
+    if (got.rfind(path, 0) != 0) {
+      std::fprintf(stderr, "rank %d: gpu path \"%s\", expected \"%s...\"\n", g.rank, got.c_str(), path.c_str());
+      return 5;
+    }
+    return rc;
+  });
 }
+
+/// Two ranks on two GPUs of one daemon: the client's kernels take what they can.
+std::string two_gpu_path() { return g_gpus >= 2 ? "client kernels: 2 ranks on 2 GPUs" : "daemon: "; }
 
 /// Two daemons standing for two nodes (127.0.0.2 and .3, one cluster secret),
 /// each seeing one GPU where there are two; rank r on daemon r.
@@ -448,10 +462,25 @@ TEST_CASE("status: the daemon and the client say whether there is a GPU, and why
 }
 
 TEST_CASE("gpu: every operation, dtype and reduction, 2 ranks on 2 GPUs (or 1), bit-exact") {
-  matrix(std::min(g_gpus, 2));
+  // All-reduce, reduce-scatter, all-gather and broadcast on the client's own
+  // kernels (2 GPUs, no MPS: gpu.client_kernels auto), reduce and all-to-all
+  // on the daemon's.
+  matrix(std::min(g_gpus, 2), {}, two_gpu_path());
 }
 
-TEST_CASE("gpu: 2 ranks sharing one GPU") { matrix(1); }
+TEST_CASE("gpu: 2 ranks on 2 GPUs, every operation on the daemon (gpu.client_kernels=off), bit-exact") {
+  matrix(std::min(g_gpus, 2), {"gpu.client_kernels=off"}, "daemon: rank 0: gpu.client_kernels is off");
+}
+
+TEST_CASE("gpu: the client's kernels and the daemon's in turns on one communicator, bit-exact") {
+  // Rank buffers above 4 KiB go to the daemon, smaller ones stay with the
+  // client's kernels: the matrix's counts (1, 1001, 300000) alternate between
+  // them on the same streams, so their order and the scratch slots' reuse
+  // across daemon operations are exercised.
+  matrix(std::min(g_gpus, 2), {"gpu.client_kernel_max_bytes=4096"}, two_gpu_path());
+}
+
+TEST_CASE("gpu: 2 ranks sharing one GPU") { matrix(1, {}, "daemon: ranks 0 and 1 share GPU-"); }
 
 TEST_CASE("gpu: copies between GPUs on the copy engines (gpu.copy_engine_min_bytes=1), bit-exact") {
   // Every copy that crosses GPUs (all-gather, broadcast, all-to-all, in and
@@ -470,6 +499,19 @@ TEST_CASE("gpu: stream order: the operation waits for a held-back producer, the 
     const std::size_t count = 1 << 20;
     cu::DevicePtr buf = g.alloc(count * 4), out = g.alloc(count * 4);
     g.ok(g.cu->cuMemsetD32(buf, 1, count), "memset");
+    {
+      // The first stream-ordered collective on a communicator sets up its GPU
+      // path (a host exchange through the daemon, which blocks the caller,
+      // like NCCL's first collective): done before the stream is held back.
+      collective_request_t* first = nullptr;
+      if (collective_all_reduce_stream(g.comm, reinterpret_cast<void*>(buf), reinterpret_cast<void*>(out), 1,
+                                       COLLECTIVE_INT32, COLLECTIVE_SUM, g.stream, &first) != COLLECTIVE_OK ||
+          collective_wait(first, 30000) != COLLECTIVE_OK) {
+        return 9;
+      }
+      collective_request_free(first);
+      std::fprintf(stderr, "rank %d: gpu path: %s\n", g.rank, collective_comm_gpu_path(g.comm));
+    }
     // The producer: a stream blocked on a host word until the CPU releases it,
     // then a memset to the value the all-reduce must see.
     void* page = nullptr;
@@ -507,7 +549,9 @@ TEST_CASE("gpu: stream order: the operation waits for a held-back producer, the 
 
 TEST_CASE("gpu: allocation kinds: cuMemCreate (fd), cudaMallocAsync default pool (refused by name), "
           "freed and reallocated buffers") {
-  Daemon d;
+  // The daemon's path, which maps the allocations (the client's own kernels
+  // take any device memory of their process as it is).
+  Daemon d(Daemon::Options{.overrides = {"gpu.client_kernels=off"}});
   with_ranks(d, 2, std::min(g_gpus, 2), [](GpuRank& g) {
     const std::size_t count = 1 << 16, bytes = count * 4;
     // cuMemCreate with a POSIX fd handle type.
@@ -577,14 +621,15 @@ TEST_CASE("gpu: allocation kinds: cuMemCreate (fd), cudaMallocAsync default pool
   });
 }
 
-// Known failure (docs/gpu.md, "Not done yet"): on 2 H200 the first all-reduce
-// on this memory never returned (75 s): the daemon had no operation and every
-// thread of it idle, both ranks ran in user space (wchan 0). Skipped by
-// default; --no-skip runs it.
-TEST_CASE("gpu: cudaMallocAsync memory from a pool made shareable (POSIX fd): exported, imported, reduced" *
-          doctest::skip()) {
-  Daemon d;
-  with_ranks(d, 2, std::min(g_gpus, 2), [](GpuRank& g) {
+// The eighth run hung here on 2 H200 (daemon's path): the pool imported by the
+// daemon was reachable from its own GPU only, and the other GPU's kernel
+// (split operation) touched it; the daemon now grants every GPU access
+// (cuMemPoolSetAccess). `mode`: gpu.client_kernels; with "on" the client's
+// kernels use the memory in place (nothing exported), so the default pool's
+// memory works too.
+void pool_memory(const std::string& mode) {
+  Daemon d(Daemon::Options{.overrides = {"gpu.client_kernels=" + mode, "deadlines.operation_ms=10000"}});
+  with_ranks(d, 2, std::min(g_gpus, 2), [mode](GpuRank& g) {
     const std::size_t count = (1 << 16) + 3, bytes = count * 4;
     int ordinal = 0;
     g.ok(g.cu->cuCtxGetDevice(&ordinal), "cuCtxGetDevice");
@@ -627,15 +672,50 @@ TEST_CASE("gpu: cudaMallocAsync memory from a pool made shareable (POSIX fd): ex
         }
       }
     }
+    if (mode == "on" && g_gpus >= 2) {
+      // The client's kernels take the default pool's memory as it is (the
+      // daemon's path refuses it by name: it cannot be exported).
+      cu::DevicePtr a = 0;
+      g.ok(g.cu->cuMemAllocAsync(&a, bytes, g.stream), "cuMemAllocAsync (default pool)");
+      g.ok(g.cu->cuMemsetD32Async(a, 10 + g.rank, count, g.stream), "memset");
+      collective_request_t* req = nullptr;
+      if (collective_all_reduce_stream(g.comm, reinterpret_cast<void*>(a), reinterpret_cast<void*>(a), count,
+                                       COLLECTIVE_INT32, COLLECTIVE_SUM, g.stream, &req) != COLLECTIVE_OK ||
+          collective_wait(req, 30000) != COLLECTIVE_OK) {
+        std::fprintf(stderr, "rank %d: default pool: %s\n", g.rank, collective_last_error());
+        return 13;
+      }
+      collective_request_free(req);
+      std::vector<std::int32_t> got(count);
+      g.ok(g.cu->cuStreamSynchronize(g.stream), "sync");
+      g.ok(g.cu->cuMemcpyDtoH(got.data(), a, bytes), "download");
+      for (auto v : got) {
+        if (v != 21) return 14;
+      }
+    }
     // The pool's memory stays allocated until the process ends: the daemon
     // holds its import until this client disconnects.
     return 0;
   });
 }
 
-TEST_CASE("gpu: a rank that dies before its operation: the peer's stream is released, the error names it") {
-  Daemon d;
-  with_ranks(d, 2, std::min(g_gpus, 2), [](GpuRank& g) {
+TEST_CASE("gpu: cudaMallocAsync memory from a pool made shareable (POSIX fd), daemon's kernels: exported, imported, reduced") {
+  pool_memory("off");
+}
+
+TEST_CASE("gpu: cudaMallocAsync memory (shareable and default pools), client's kernels: reduced in place") {
+  pool_memory("on");
+}
+
+/// Rank 1 joins one operation, then dies; rank 0's next operation fails
+/// naming it and its stream is released. With the daemon's kernels the daemon
+/// sees the client go at once; with the client's own kernels (`direct`) rank
+/// 0's kernel gives up at the operation deadline and the communicator is
+/// unusable afterwards (refused at once).
+void rank_dies(bool direct) {
+  Daemon d(Daemon::Options{.overrides = {direct ? "gpu.client_kernels=on" : "gpu.client_kernels=off",
+                                         "deadlines.operation_ms=4000"}});
+  with_ranks(d, 2, std::min(g_gpus, 2), [direct](GpuRank& g) {
     const std::size_t count = 1024;
     cu::DevicePtr buf = g.alloc(count * 4);
     if (g.rank == 1) {
@@ -652,16 +732,40 @@ TEST_CASE("gpu: a rank that dies before its operation: the peer's stream is rele
                                  COLLECTIVE_INT32, COLLECTIVE_SUM, g.stream, &req);
     if (collective_wait(req, 30000) != COLLECTIVE_OK) return 30;
     collective_request_free(req);
+    const std::string path = collective_comm_gpu_path(g.comm);
+    if (direct && g_gpus >= 2 && path.rfind("client kernels", 0) != 0) {
+      std::fprintf(stderr, "rank 0: expected the client's kernels, got \"%s\"\n", path.c_str());
+      return 34;
+    }
+    const bool ours = path.rfind("client kernels", 0) == 0;
     if (collective_all_reduce_stream(g.comm, reinterpret_cast<void*>(buf), reinterpret_cast<void*>(buf), count,
                                      COLLECTIVE_INT32, COLLECTIVE_SUM, g.stream, &req) != COLLECTIVE_OK) {
-      return 0;  // refused at once: also fine
+      return ours ? 35 : 0;  // the daemon may refuse at once: also fine
     }
+    const auto t0 = std::chrono::steady_clock::now();
     const auto rc = collective_wait(req, 60000);
     const std::string why = collective_last_error();
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     collective_request_free(req);
-    std::fprintf(stderr, "rank 0: after the peer died: %s\n", why.c_str());
-    if (rc == COLLECTIVE_OK || rc == COLLECTIVE_TIMEOUT) return 31;
-    // The stream must not hang: its flag was released.
+    std::fprintf(stderr, "rank 0: after the peer died (%s): rc=%d after %.0f ms: %s\n", path.c_str(),
+                 static_cast<int>(rc), ms, why.c_str());
+    if (rc == COLLECTIVE_OK) return 31;
+    if (ours) {
+      // The kernel gave up at the deadline, naming the rank that never came.
+      if (rc != COLLECTIVE_TIMEOUT || why.find("rank 1 (pid") == std::string::npos ||
+          why.find("did not reach") == std::string::npos) {
+        return 32;
+      }
+      // Broken for good: refused at once, naming the same rank.
+      if (collective_all_reduce_stream(g.comm, reinterpret_cast<void*>(buf), reinterpret_cast<void*>(buf), count,
+                                       COLLECTIVE_INT32, COLLECTIVE_SUM, g.stream, &req) == COLLECTIVE_OK) {
+        return 33;
+      }
+      if (std::string(collective_last_error()).find("rank 1 (pid") == std::string::npos) return 36;
+    } else if (rc == COLLECTIVE_TIMEOUT) {
+      return 31;  // the daemon knows the client is gone: no waiting for the deadline
+    }
+    // The stream must not hang: its flag was released / the kernel returned.
     g.ok(g.cu->cuStreamSynchronize(g.stream), "stream released");
     return 0;
   });
@@ -669,15 +773,38 @@ TEST_CASE("gpu: a rank that dies before its operation: the peer's stream is rele
   CHECK(d.alive());
 }
 
+TEST_CASE("gpu: a rank that dies before its operation (daemon's kernels): the peer's stream is released, the error names it") {
+  rank_dies(false);
+}
+
+TEST_CASE("gpu: a rank that dies before its operation (client's kernels): failed at the deadline, named, stream released") {
+  if (g_gpus < 2) {
+    MESSAGE("skipped: the client's kernels need 2 GPUs, this machine has " << g_gpus);
+    return;
+  }
+  rank_dies(true);
+}
+
 // Ran as a known failure once; fixed (docs/gpu.md, "The killed-client hang"), runs by default.
-TEST_CASE("gpu: a client killed while its operation is queued on the GPU: no hang for the peer or the daemon") {
+// `mode`: gpu.client_kernels (with "on" and 2 GPUs rank 1's own kernel waits
+// for rank 0 and gives up at the deadline).
+void killed_while_queued(const std::string& mode) {
   // A short operation deadline: if the daemon does not even see the client go
   // (its process stuck in exit), the deadline fails the operation, naming it.
-  Daemon d(Daemon::Options{.overrides = {"deadlines.operation_ms=8000"}});
+  Daemon d(Daemon::Options{.overrides = {"deadlines.operation_ms=8000", "gpu.client_kernels=" + mode}});
   with_ranks(d, 2, std::min(g_gpus, 2), [](GpuRank& g) {
     const std::size_t count = 1024;
     cu::DevicePtr buf = g.alloc(count * 4);
     collective_request_t* req = nullptr;
+    // The communicator's first stream-ordered collective sets up its GPU path
+    // (and may wait for the GPU): done before rank 0's stream is held back.
+    if (collective_all_reduce_stream(g.comm, reinterpret_cast<void*>(buf), reinterpret_cast<void*>(buf), 1,
+                                     COLLECTIVE_INT32, COLLECTIVE_SUM, g.stream, &req) != COLLECTIVE_OK ||
+        collective_wait(req, 30000) != COLLECTIVE_OK) {
+      return 44;
+    }
+    collective_request_free(req);
+    req = nullptr;
     if (g.rank == 0) {
       // A producer that never finishes: the operation is matched and enqueued
       // on the daemon's GPU stream behind an event that is never reached.
@@ -730,6 +857,14 @@ TEST_CASE("gpu: a client killed while its operation is queued on the GPU: no han
   collective_client_t* c = nullptr;
   CHECK(collective_connect(d.socket().c_str(), "gpu_test", &c) == COLLECTIVE_OK);
   if (c != nullptr) collective_disconnect(c);
+}
+
+TEST_CASE("gpu: a client killed while its operation is queued on the GPU (daemon's kernels): no hang for the peer or the daemon") {
+  killed_while_queued("off");
+}
+
+TEST_CASE("gpu: a client killed while its operation is queued on the GPU (client's kernels): no hang, named at the deadline") {
+  killed_while_queued("on");
 }
 
 TEST_CASE("gpu: across nodes: two daemons joined by TCP, GPU buffers staged through host memory") {

@@ -1,0 +1,259 @@
+// The kernels libcollective launches on the caller's stream (client/direct.cc)
+// for a communicator whose ranks each own one GPU of one node: all-reduce,
+// reduce-scatter, all-gather and broadcast through the ranks' scratch
+// allocations, mapped in every rank's process over NVLink (protocol in
+// client/direct_abi.h). Built into a fatbin that libcollective carries and
+// loads with cuModuleLoadData: the library links no CUDA runtime.
+//
+// Data moves by stores to the peers' memory (posted writes over NVLink, no
+// round trip per load) and is then read locally; the reductions keep
+// engine/reduce.h's order and rounding (engine/gpu/reduce_ops.cuh), so the
+// results equal the daemon's and the host's bit for bit.
+#include "client/direct_abi.h"
+#include "engine/gpu/reduce_ops.cuh"
+
+namespace collectived::client::direct {
+namespace {
+
+using engine::gpu::kernels::combine;
+using engine::gpu::kernels::DType;
+using engine::gpu::kernels::finish;
+using engine::gpu::kernels::Pack;
+using engine::gpu::kernels::RedOp;
+using engine::gpu::kernels::Traits;
+using u64 = unsigned long long;
+
+// Blocks split the data at multiples of this many bytes, so that no two
+// blocks share a cache line of the scratch: a block reads its lines only
+// after its own peers' flags said they are written.
+constexpr u64 kPartBytes = 256;
+
+__device__ __forceinline__ u64 now_ns() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void store_release(u64* p, u64 v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ u64 load_acquire(const u64* p) {
+  u64 v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<std::uintptr_t>(p) & 15) == 0;
+}
+
+struct Range {
+  u64 lo, hi;
+};
+
+/// This block's part of [0, n) units, cut at multiples of `unit`.
+__device__ __forceinline__ Range part(u64 n, u64 unit) {
+  const u64 g = gridDim.x;
+  u64 per = (n + g - 1) / g;
+  per = (per + unit - 1) / unit * unit;
+  const u64 lo = min(n, static_cast<u64>(blockIdx.x) * per);
+  return Range{lo, min(n, lo + per)};
+}
+
+/// Copies bytes [lo, hi) of src to each of dst[0..ndst) (lo a multiple of 16).
+__device__ void copy_part(const char* src, char* const* dst, int ndst, u64 lo, u64 hi) {
+  if (ndst == 0 || hi <= lo) return;
+  bool vec = aligned16(src);
+  for (int d = 0; d < ndst; ++d) vec = vec && aligned16(dst[d]);
+  u64 done = lo;
+  if (vec) {
+    const u64 n16 = (hi - lo) / 16;
+    const uint4* s = reinterpret_cast<const uint4*>(src + lo);
+    for (u64 k = threadIdx.x; k < n16; k += blockDim.x) {
+      const uint4 v = s[k];
+      for (int d = 0; d < ndst; ++d) reinterpret_cast<uint4*>(dst[d] + lo)[k] = v;
+    }
+    done = lo + n16 * 16;
+  }
+  for (u64 k = done + threadIdx.x; k < hi; k += blockDim.x) {
+    const char v = src[k];
+    for (int d = 0; d < ndst; ++d) dst[d][k] = v;
+  }
+}
+
+/// dst[i] = op(src[0][i], ..., src[n-1][i]) for i in [lo, hi) (lo a multiple
+/// of 16 bytes' worth of elements).
+template <typename T, RedOp O>
+__device__ void reduce_part(const T* const* src, int n, T* dst, u64 lo, u64 hi, unsigned divisor) {
+  using Acc = typename Traits<T>::Acc;
+  constexpr int V = 16 / sizeof(T);
+  using P = Pack<T, V>;
+  bool vec = aligned16(dst);
+  for (int s = 0; s < n; ++s) vec = vec && aligned16(src[s]);
+  u64 done = lo;
+  if (vec) {
+    const u64 packs = (hi - lo) / V;
+    for (u64 k = threadIdx.x; k < packs; k += blockDim.x) {
+      const u64 i = lo / V + k;
+      Acc acc[V];
+      {
+        const P p = reinterpret_cast<const P*>(src[0])[i];
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[j] = Traits<T>::load(p.v[j]);
+      }
+      for (int s = 1; s < n; ++s) {
+        const P p = reinterpret_cast<const P*>(src[s])[i];
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[j] = combine<T, O>(acc[j], Traits<T>::load(p.v[j]));
+      }
+      P out;
+#pragma unroll
+      for (int j = 0; j < V; ++j) out.v[j] = finish<T, O>(acc[j], divisor);
+      reinterpret_cast<P*>(dst)[i] = out;
+    }
+    done = lo + packs * V;
+  }
+  for (u64 i = done + threadIdx.x; i < hi; i += blockDim.x) {
+    Acc acc = Traits<T>::load(src[0][i]);
+    for (int s = 1; s < n; ++s) acc = combine<T, O>(acc, Traits<T>::load(src[s][i]));
+    dst[i] = finish<T, O>(acc, divisor);
+  }
+}
+
+/// Tells every peer this block's pushes are in its memory, and waits until
+/// every peer said the same. False when a peer did not arrive in time (the
+/// first such wait records which one in *a.error).
+__device__ bool exchange_flags(const Args& a, int slot) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();  // every store of this block's pushes is issued
+  const int p = static_cast<int>(threadIdx.x);
+  if (p < a.nranks && p != a.rank) {
+    // Orders the block's stores to p's memory before the flag (the barrier
+    // above made them this thread's to order, cumulatively).
+    __threadfence_system();
+    store_release(a.flags[p] + flag_index(slot, a.rank, static_cast<int>(blockIdx.x)), a.seq);
+    const u64* mine = a.flags[a.rank] + flag_index(slot, p, static_cast<int>(blockIdx.x));
+    const u64 start = now_ns();
+    unsigned spins = 0;
+    while (load_acquire(mine) < a.seq) {
+      if ((++spins & 1023) == 0 && now_ns() - start > a.timeout_ns) {
+        volatile u64* err = a.error;
+        if (*err == 0) *err = (a.seq << 8) | static_cast<u64>(p + 1);
+        failed = 1;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  return failed == 0;
+}
+
+__device__ char* region(const Args& a, int owner, int slot, int source) {
+  return a.data[owner] + region_offset(slot, source, a.nranks, a.slot_bytes);
+}
+
+template <typename T, RedOp O>
+__device__ void reducing(const Args& a, int slot) {
+  constexpr u64 es = sizeof(T);
+  const Range r = part(a.count, kPartBytes / es);
+  const char* send = static_cast<const char*>(a.send);
+  if (a.kind == kAllReduce) {
+    char* dst[kMaxRanks];
+    int nd = 0;
+    for (int p = 0; p < a.nranks; ++p) {
+      if (p != a.rank) dst[nd++] = region(a, p, slot, a.rank);
+    }
+    copy_part(send, dst, nd, r.lo * es, r.hi * es);
+  } else {  // reduce-scatter: rank p's block of the input goes to p
+    for (int p = 0; p < a.nranks; ++p) {
+      if (p == a.rank) continue;
+      char* dst = region(a, p, slot, a.rank);
+      copy_part(send + static_cast<u64>(p) * a.count * es, &dst, 1, r.lo * es, r.hi * es);
+    }
+  }
+  if (!exchange_flags(a, slot)) return;
+  const T* src[kMaxRanks];
+  for (int q = 0; q < a.nranks; ++q) {
+    src[q] = q == a.rank
+                 ? reinterpret_cast<const T*>(send + (a.kind == kAllReduce ? 0 : static_cast<u64>(q) * a.count * es))
+                 : reinterpret_cast<const T*>(region(a, a.rank, slot, q));
+  }
+  reduce_part<T, O>(src, a.nranks, static_cast<T*>(a.recv), r.lo, r.hi,
+                    static_cast<unsigned>(a.nranks));
+}
+
+template <typename T>
+__device__ void reducing_op(const Args& a, int slot) {
+  switch (static_cast<RedOp>(a.redop)) {
+    case RedOp::sum: return reducing<T, RedOp::sum>(a, slot);
+    case RedOp::prod: return reducing<T, RedOp::prod>(a, slot);
+    case RedOp::min: return reducing<T, RedOp::min>(a, slot);
+    case RedOp::max: return reducing<T, RedOp::max>(a, slot);
+    case RedOp::avg: return reducing<T, RedOp::avg>(a, slot);
+  }
+}
+
+/// All-gather and broadcast: bytes only.
+__device__ void copying(const Args& a, int slot, u64 es) {
+  const u64 bytes = a.count * es;
+  const Range r = part(bytes, kPartBytes);
+  const char* send = static_cast<const char*>(a.send);
+  char* recv = static_cast<char*>(a.recv);
+  const int from = a.kind == kAllGather ? a.rank : a.root;
+  if (a.rank == from) {
+    char* dst[kMaxRanks + 1];
+    int nd = 0;
+    for (int p = 0; p < a.nranks; ++p) {
+      if (p != a.rank) dst[nd++] = region(a, p, slot, a.rank);
+    }
+    char* own = recv + (a.kind == kAllGather ? static_cast<u64>(a.rank) * bytes : 0);
+    if (own != send) dst[nd++] = own;  // in place: already there
+    copy_part(send, dst, nd, r.lo, r.hi);
+  }
+  if (!exchange_flags(a, slot)) return;
+  for (int q = 0; q < a.nranks; ++q) {
+    if (q == a.rank || (a.kind == kBroadcast && q != a.root)) continue;
+    char* dst = recv + (a.kind == kAllGather ? static_cast<u64>(q) * bytes : 0);
+    copy_part(region(a, a.rank, slot, q), &dst, 1, r.lo, r.hi);
+  }
+}
+
+__device__ u64 dtype_size(int d) {
+  switch (static_cast<DType>(d)) {
+    case DType::int8:
+    case DType::uint8: return 1;
+    case DType::float16:
+    case DType::bfloat16: return 2;
+    case DType::int32:
+    case DType::uint32:
+    case DType::float32: return 4;
+    default: return 8;
+  }
+}
+
+}  // namespace
+}  // namespace collectived::client::direct
+
+using namespace collectived::client::direct;
+
+/// One operation; every rank launches it with the same grid (derived from the
+/// count and dtype alone), so block b meets block b of every peer.
+extern "C" __global__ void __launch_bounds__(kThreads) collectived_direct(Args a) {
+  const int slot = static_cast<int>(a.seq % kSlots);
+  if (a.kind == kAllGather || a.kind == kBroadcast) {
+    copying(a, slot, dtype_size(a.dtype));
+    return;
+  }
+  switch (static_cast<DType>(a.dtype)) {
+    case DType::int8: return reducing_op<std::int8_t>(a, slot);
+    case DType::uint8: return reducing_op<std::uint8_t>(a, slot);
+    case DType::int32: return reducing_op<std::int32_t>(a, slot);
+    case DType::uint32: return reducing_op<std::uint32_t>(a, slot);
+    case DType::int64: return reducing_op<long long>(a, slot);
+    case DType::uint64: return reducing_op<unsigned long long>(a, slot);
+    case DType::float16: return reducing_op<__half>(a, slot);
+    case DType::bfloat16: return reducing_op<__nv_bfloat16>(a, slot);
+    case DType::float32: return reducing_op<float>(a, slot);
+    case DType::float64: return reducing_op<double>(a, slot);
+  }
+}
