@@ -280,7 +280,13 @@ std::unique_ptr<DirectComm> DirectComm::setup(collective_comm_t* comm,
     const auto fat = direct_fatbin();
     cu.check(cu.cuModuleLoadData(&s.module, fat.data()), "cuModuleLoadData (libcollective's kernels)");
     cu.check(cu.cuModuleGetFunction(&s.fn, s.module, "collectived_direct"), "cuModuleGetFunction");
-    const std::uint64_t bytes = kDataAt + direct::kSlots * static_cast<std::uint64_t>(n) * slot;
+    // Whole 2 MiB pages: a smaller cuMemAlloc may share its page with the
+    // application's buffers, and the peers' IPC mapping of it would then
+    // cover those too (the daemon later failed to map one of them as
+    // "already mapped" in a run with 24 KiB of scratch).
+    constexpr std::uint64_t kPage = 2u << 20;
+    const std::uint64_t bytes =
+        (kDataAt + direct::kSlots * static_cast<std::uint64_t>(n) * slot + kPage - 1) / kPage * kPage;
     cu.check(cu.cuMemAlloc(&s.scratch, bytes), "cuMemAlloc of " + std::to_string(bytes) + " bytes of scratch");
     // The flags start at 0, before any peer can see the handle.
     cu.check(cu.cuMemsetD8(s.scratch, 0, kFlagBytes), "cuMemsetD8 (flags)");

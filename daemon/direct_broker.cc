@@ -16,9 +16,17 @@ void DirectBroker::finish(Round& r, std::vector<std::function<void()>>& out) {
   r.waiting.clear();
 }
 
+namespace {
+std::string host_text(const std::string& who, std::uint64_t seq) {
+  return who + " runs collective " + std::to_string(seq) +
+         " of the communicator on host memory (every rank must be on GPU memory for the "
+         "client's kernels)";
+}
+}  // namespace
+
 void DirectBroker::join(std::uint64_t comm, std::uint32_t round, std::uint32_t rank,
-                        std::uint32_t nranks, std::uint32_t nodes, std::uint64_t session,
-                        std::string blob, Reply reply) {
+                        std::uint32_t nranks, std::uint32_t nodes, std::uint64_t seq,
+                        std::uint64_t session, std::string blob, Reply reply) {
   std::vector<std::function<void()>> calls;
   {
     std::lock_guard lock(mu_);
@@ -32,9 +40,10 @@ void DirectBroker::join(std::uint64_t comm, std::uint32_t round, std::uint32_t r
       if (nodes > 1) {
         r.declined = "its ranks live on " + std::to_string(nodes) +
                      " nodes (the client's kernels need every rank on one node)";
-      } else if (round == 1 && !c.host_first.empty()) {
-        r.declined = c.host_first;
+      } else if (round == 1 && c.host_seen && c.host_seq >= seq) {
+        r.declined = host_text(c.host_who, c.host_seq);
       }
+      if (round == 1) c.position = seq;
       r.done = !r.declined.empty();
     }
     if (r.done || !r.declined.empty()) {
@@ -56,17 +65,21 @@ void DirectBroker::join(std::uint64_t comm, std::uint32_t round, std::uint32_t r
   for (auto& f : calls) f();
 }
 
-void DirectBroker::host_collective(std::uint64_t comm, std::uint32_t rank, const std::string& who) {
+void DirectBroker::host_collective(std::uint64_t comm, std::uint32_t rank, std::uint64_t seq,
+                                   const std::string& who) {
   std::vector<std::function<void()>> calls;
   {
     std::lock_guard lock(mu_);
     Comm& c = comms_[comm];
-    if (c.first_done || !c.host_first.empty()) return;
-    c.host_first = "rank " + std::to_string(rank) + " (" + who +
-                   ") made its first collective on host memory";
+    if (c.first_done) return;
+    if (!c.host_seen || seq >= c.host_seq) {
+      c.host_seen = true;
+      c.host_seq = seq;
+      c.host_who = "rank " + std::to_string(rank) + " (" + who + ")";
+    }
     auto it = c.rounds.find(1);
-    if (it != c.rounds.end() && !it->second.done) {
-      it->second.declined = c.host_first;
+    if (it != c.rounds.end() && !it->second.done && seq >= c.position) {
+      it->second.declined = host_text(c.host_who, c.host_seq);
       finish(it->second, calls);
       c.first_done = true;
     }

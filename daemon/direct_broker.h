@@ -4,9 +4,12 @@
 // answered when every rank has joined. It is not an operation of the
 // communicator (it takes no sequence number), so a rank that never joins —
 // one whose collectives are on host memory — must not leave the others
-// waiting: a collective on host memory (other than a barrier) from a rank
-// before the first round is answered declines the communicator, as does a
-// communicator spanning nodes, a rank that leaves, or the deadline.
+// waiting. The ranks join the first round where their next collective is
+// (sequence number k, the same on every rank: collectives run in one order);
+// a rank whose collective k or later is on host memory is not joining, and
+// declines the communicator, as do ranks on several nodes, a rank that
+// leaves, and the deadline. Host collectives before k (a rank's start-up
+// exchanges) do not matter.
 #pragma once
 
 #include <chrono>
@@ -26,13 +29,15 @@ class DirectBroker {
   using Reply = std::function<void(const std::vector<std::string>& blobs, const std::string& declined)>;
 
   /// Rank `rank` of communicator `comm` (this daemon's id for it; `nranks`
-  /// ranks on `nodes` nodes) joins `round` (1, 2, 3) with `blob`; `reply`
-  /// runs once (possibly before this returns). Any thread.
+  /// ranks on `nodes` nodes), whose next collective is `seq`, joins `round`
+  /// (1, 2, 3) with `blob`; `reply` runs once (possibly before this
+  /// returns). Any thread.
   void join(std::uint64_t comm, std::uint32_t round, std::uint32_t rank, std::uint32_t nranks,
-            std::uint32_t nodes, std::uint64_t session, std::string blob, Reply reply);
-  /// A collective on host memory (not a barrier) of rank `rank`. Hot path:
-  /// one map lookup once the first round is answered. Any thread.
-  void host_collective(std::uint64_t comm, std::uint32_t rank, const std::string& who);
+            std::uint32_t nodes, std::uint64_t seq, std::uint64_t session, std::string blob,
+            Reply reply);
+  /// Rank `rank` submits collective `seq` on host memory. Hot path: one map
+  /// lookup. Any thread.
+  void host_collective(std::uint64_t comm, std::uint32_t rank, std::uint64_t seq, const std::string& who);
   /// The session's joins are dropped; the rounds it was in are declined.
   void session_gone(std::uint64_t session);
   /// Forgets the communicator (destroyed).
@@ -59,8 +64,11 @@ class DirectBroker {
   };
   struct Comm {
     std::map<std::uint32_t, Round> rounds;
-    bool first_done = false;  // round 1 answered: host collectives no longer matter
-    std::string host_first;   // set: a rank's first collective was on host memory
+    bool first_done = false;     // round 1 answered: host collectives no longer matter
+    std::uint64_t position = 0;  // round 1: the sequence number the ranks joined at
+    bool host_seen = false;      // a host collective came (the latest below)
+    std::uint64_t host_seq = 0;  // the highest sequence number of a host collective
+    std::string host_who;        // "rank 1 (pid 42)", of that collective
   };
   /// Answers every waiter of `r` (lock released first); `out` collects the calls.
   static void finish(Round& r, std::vector<std::function<void()>>& out);

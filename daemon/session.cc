@@ -289,7 +289,7 @@ void ClientSession::dispatch_hot(std::uint64_t id, wire::Message::Reader m, bool
       }
       {
         std::lock_guard lock(host_seen_mu_);
-        host_seen_.erase(handle);
+        direct_decided_.erase(handle);
       }
       host_.engine().comm_destroy(client_ref(), id, handle);
       break;
@@ -318,7 +318,7 @@ void ClientSession::handle_collective(std::uint64_t id, wire::Collective::Reader
   if (submit_chunked(id, req, from_worker)) return;
   if (req.hasGpu()) {
     a.gpu = gpu_sync(req.getGpu());
-  } else if (a.kind != engine::OpKind::barrier) {
+  } else {
     note_host_collective(req.getComm());
   }
   host_.engine().collective(client_ref(from_worker), id, req.getComm(), a);
@@ -327,10 +327,13 @@ void ClientSession::handle_collective(std::uint64_t id, wire::Collective::Reader
 void ClientSession::note_host_collective(std::uint64_t comm) {
   {
     std::lock_guard lock(host_seen_mu_);
-    if (!host_seen_.insert(comm).second) return;  // told once per communicator
+    if (direct_decided_.count(comm) != 0) return;  // the broker is done with it
   }
   const auto shape = host_.engine().comm_shape(id_, comm);
-  if (shape) host_.direct_broker().host_collective(shape->id, shape->rank, who());
+  if (shape) {
+    host_.direct_broker().host_collective(shape->id, shape->rank, shape->next_seq,
+                                          "pid " + std::to_string(cred_.pid));
+  }
 }
 
 void ClientSession::handle_p2p(std::uint64_t id, wire::P2PGroup::Reader req, bool from_worker) {

@@ -122,7 +122,7 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
                            std::vector<UniqueFd>& fds);
   void handle_attach_gpu(std::uint64_t id, wire::AttachGpu::Reader req, std::vector<UniqueFd>& fds);
   void handle_direct_join(std::uint64_t id, wire::DirectJoin::Reader req);
-  /// Tells the broker of this rank's first collective on host memory per communicator.
+  /// Tells the broker of a collective on host memory, until its first round is answered.
   void note_host_collective(std::uint64_t comm);
   std::shared_ptr<engine::gpu::RankSync> gpu_sync(wire::GpuSync::Reader req);
   /// An all-reduce, broadcast or reduce across nodes larger than the profile's
@@ -156,7 +156,7 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
   bool writing_ = false;
   bool hello_done_ = false;
   std::mutex host_seen_mu_;
-  std::set<std::uint64_t> host_seen_;  // communicators whose host collectives the broker knows of
+  std::set<std::uint64_t> direct_decided_;  // communicators whose first broker round was answered
   std::atomic<bool> close_after_flush_ = false;
   std::atomic<bool> closed_ = false;
   bool frame_timer_armed_ = false;

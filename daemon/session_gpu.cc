@@ -300,12 +300,17 @@ void ClientSession::handle_direct_join(std::uint64_t id, wire::DirectJoin::Reade
                                             " bytes (rounds 1-3, at most 1024 bytes)");
   }
   std::weak_ptr<ClientSession> self = weak_from_this();
+  const std::uint64_t handle = req.getComm();
   host_.direct_broker().join(
-      shape->id, req.getRound(), shape->rank, shape->nranks, shape->nodes, id_,
+      shape->id, req.getRound(), shape->rank, shape->nranks, shape->nodes, shape->next_seq, id_,
       std::string(reinterpret_cast<const char*>(blob.begin()), blob.size()),
-      [self, id](const std::vector<std::string>& blobs, const std::string& declined) {
+      [self, id, handle](const std::vector<std::string>& blobs, const std::string& declined) {
         auto s = self.lock();
         if (!s) return;
+        {
+          std::lock_guard lock(s->host_seen_mu_);
+          s->direct_decided_.insert(handle);
+        }
         capnp::MallocMessageBuilder b;
         auto m = b.initRoot<wire::Message>();
         m.setId(id);

@@ -450,6 +450,7 @@ std::optional<CommShape> Engine::comm_shape(std::uint64_t session, std::uint64_t
   if (comm->members[rank].session != session) return std::nullopt;
   CommShape s;
   s.id = comm->serial;
+  s.next_seq = comm->members[rank].next_seq;
   s.rank = static_cast<std::uint32_t>(rank);
   s.nranks = static_cast<std::uint32_t>(comm->nranks);
   s.nodes = static_cast<std::uint32_t>(std::max<std::size_t>(1, comm->node_address.size()));

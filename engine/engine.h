@@ -83,6 +83,7 @@ struct OpSnapshot {
 /// a request (GPU operations across nodes are cut into chunks).
 struct CommShape {
   std::uint64_t id = 0;  ///< the communicator on this daemon (the same for all its ranks)
+  std::uint64_t next_seq = 0;  ///< sequence number of the rank's next collective
   std::uint32_t rank = 0;
   std::uint32_t nranks = 0;
   std::uint32_t nodes = 1;  ///< nodes its ranks live on

@@ -1060,23 +1060,7 @@ class CudaExecutor final : public GpuExecutor {
     std::memcpy(&m->handle, a.handle.data(), sizeof m->handle);
     m->size = a.size;
     m->device = dev;
-    for (int attempt = 0;; ++attempt) {
-      try {
-        m->open_first();
-        break;
-      } catch (const Error& e) {
-        // Memory freed and allocated again by the client can reach us under
-        // a new handle while the old registration's mapping of it is still
-        // open here (waiting in the graveyard, or held by an operation that
-        // is finishing): the driver then refuses the new one as already
-        // mapped. Close what is buried and try again for a while.
-        if (attempt >= 100 || std::string_view(e.what()).find("AlreadyMapped") == std::string_view::npos) {
-          throw;
-        }
-        for (auto& g : graveyard_->take()) g.reset();
-        std::this_thread::sleep_for(std::chrono::milliseconds(2));
-      }
-    }
+    m->open_first();
     std::lock_guard lock(mu_);
     legacy_cache_[a.handle] = m;
     // Drop cache entries of closed mappings now and then.

@@ -473,11 +473,12 @@ TEST_CASE("gpu: 2 ranks on 2 GPUs, every operation on the daemon (gpu.client_ker
 }
 
 TEST_CASE("gpu: the client's kernels and the daemon's in turns on one communicator, bit-exact") {
-  // Rank buffers above 4 KiB go to the daemon, smaller ones stay with the
-  // client's kernels: the matrix's counts (1, 1001, 300000) alternate between
-  // them on the same streams, so their order and the scratch slots' reuse
-  // across daemon operations are exercised.
-  matrix(std::min(g_gpus, 2), {"gpu.client_kernel_max_bytes=4096"}, two_gpu_path());
+  // Rank buffers above 1 MiB go to the daemon, smaller ones stay with the
+  // client's kernels: the matrix's 300000-element cases alternate between
+  // them by dtype (1.2 and 2.4 MB to the daemon, 300 and 600 KB not), and
+  // reduce and all-to-all always go to the daemon, on the same streams: their
+  // order and the scratch slots' reuse across daemon operations are exercised.
+  matrix(std::min(g_gpus, 2), {"gpu.client_kernel_max_bytes=1048576"}, two_gpu_path());
 }
 
 TEST_CASE("gpu: 2 ranks sharing one GPU") { matrix(1, {}, "daemon: ranks 0 and 1 share GPU-"); }
