@@ -299,7 +299,9 @@ COLLECTIVE_API void collective_request_free(collective_request_t* request);
  * mappings (NVLink); or, where every rank of the communicator owns one GPU of
  * one node and the daemon allows it (profile gpu.client_kernels), all-reduce,
  * reduce-scatter, all-gather and broadcast run as libcollective's own kernels
- * on `stream` (collective_comm_gpu_path says which). `request` may be NULL (nothing to wait for; errors then go
+ * on `stream` (collective_comm_gpu_path says which; the communicator's first
+ * stream-ordered collective sets them up and may wait for work queued on the
+ * GPU, as NCCL's first collective does). `request` may be NULL (nothing to wait for; errors then go
  * unseen); with one, collective_wait() reports the outcome once the GPU work
  * is done. If an operation fails, the caller's stream is released anyway (its
  * output is then undefined) and the request carries the error.
