@@ -66,7 +66,7 @@ class DirectComm {
 
   /// Largest rank buffer (bytes of one rank's block) an operation may have.
   std::uint64_t max_bytes() const { return slot_bytes_; }
-  /// "client kernels: 2 ranks on GPU-.., GPU-.. (node n), up to 8388608 bytes per rank".
+  /// "client kernels: 2 ranks on GPU-.., GPU-.. (node n), up to 16777216 bytes per rank".
   const std::string& description() const { return description_; }
 
   /// Enqueues one operation on `stream` (count > 0; a rank's block of

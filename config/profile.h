@@ -141,7 +141,7 @@ struct GpuSection {
   std::string client_kernels = "auto";
   /// Largest rank buffer (bytes) those kernels take; larger operations go to
   /// the daemon. Each rank holds 2 x ranks x this in GPU scratch.
-  std::uint64_t client_kernel_max_bytes = 8 * 1024 * 1024;
+  std::uint64_t client_kernel_max_bytes = 16 * 1024 * 1024;
 };
 
 struct MetricsSection {
