@@ -92,6 +92,10 @@ class Connection {
   std::chrono::milliseconds rendezvous_deadline_{60000};
   std::set<std::uint64_t> abandoned_;
   std::atomic<std::uint64_t> next_id_{1};
+  // wait_ring spins this long before it sleeps, unless the recent waits
+  // (recent_wait_us_, a moving average) were much longer.
+  static constexpr std::int64_t kSpinMicros = 100;
+  std::atomic<std::int64_t> recent_wait_us_{0};
 
   std::mutex send_mutex_;
   std::mutex state_mutex_;
