@@ -655,7 +655,7 @@ constexpr std::array kSchema{
           p.gpu.client_kernels = as_enum<std::string_view>(n, c, kClientKernelModes);
         },
         [](E e, P p) { e << p.gpu.client_kernels; },
-        "client libraries run one-GPU-per-rank collectives themselves: auto (without MPS), on, off"},
+        "client libraries run one-GPU-per-rank collectives themselves: on, auto (without MPS), off"},
     Key{"gpu.client_kernel_max_bytes",
         [](N n, Profile& p, C c) {
           p.gpu.client_kernel_max_bytes = as_size(n, c, 256, 1 * GiB);

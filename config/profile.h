@@ -137,8 +137,8 @@ struct GpuSection {
   std::uint64_t copy_engine_min_bytes = 16 * 1024 * 1024;
   /// Collectives of a communicator whose ranks each own one GPU of this node
   /// run as kernels the client library launches on the caller's stream
-  /// (client/direct.cc): auto (where MPS is not in force), on, or off.
-  std::string client_kernels = "auto";
+  /// (client/direct.cc): on, auto (only where MPS is not in force), or off.
+  std::string client_kernels = "on";
   /// Largest rank buffer (bytes) those kernels take; larger operations go to
   /// the daemon. Each rank holds 2 x ranks x this in GPU scratch.
   std::uint64_t client_kernel_max_bytes = 16 * 1024 * 1024;

@@ -126,7 +126,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   CHECK(p.gpu.mps == "off");
   CHECK(p.gpu.stage_chunk_bytes == 0);
   CHECK(p.gpu.copy_engine_min_bytes == 16 * 1024 * 1024);
-  CHECK(p.gpu.client_kernels == "auto");
+  CHECK(p.gpu.client_kernels == "on");
   CHECK(p.gpu.client_kernel_max_bytes == 16 * 1024 * 1024);
   CHECK(p.client.socket == "/run/collectived/collectived.sock");
   CHECK(p.client.socket_mode == 0660);
