@@ -288,7 +288,7 @@ void ClientSession::dispatch_hot(std::uint64_t id, wire::Message::Reader m, bool
         host_.direct_broker().comm_gone(shape->id);
       }
       {
-        std::lock_guard lock(host_seen_mu_);
+        std::lock_guard lock(direct_decided_mu_);
         direct_decided_.erase(handle);
       }
       host_.engine().comm_destroy(client_ref(), id, handle);
@@ -326,7 +326,7 @@ void ClientSession::handle_collective(std::uint64_t id, wire::Collective::Reader
 
 void ClientSession::note_host_collective(std::uint64_t comm) {
   {
-    std::lock_guard lock(host_seen_mu_);
+    std::lock_guard lock(direct_decided_mu_);
     if (direct_decided_.count(comm) != 0) return;  // the broker is done with it
   }
   const auto shape = host_.engine().comm_shape(id_, comm);

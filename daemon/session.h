@@ -155,7 +155,7 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
   std::deque<std::vector<std::byte>> outbox_;
   bool writing_ = false;
   bool hello_done_ = false;
-  std::mutex host_seen_mu_;
+  std::mutex direct_decided_mu_;
   std::set<std::uint64_t> direct_decided_;  // communicators whose first broker round was answered
   std::atomic<bool> close_after_flush_ = false;
   std::atomic<bool> closed_ = false;

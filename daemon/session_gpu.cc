@@ -308,7 +308,7 @@ void ClientSession::handle_direct_join(std::uint64_t id, wire::DirectJoin::Reade
         auto s = self.lock();
         if (!s) return;
         {
-          std::lock_guard lock(s->host_seen_mu_);
+          std::lock_guard lock(s->direct_decided_mu_);
           s->direct_decided_.insert(handle);
         }
         capnp::MallocMessageBuilder b;
