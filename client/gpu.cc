@@ -249,10 +249,19 @@ struct Located {
   std::uint64_t handle = 0, offset = 0, buffer_id = 0;
 };
 
-/// Handle and offset of [ptr, ptr+bytes), registering its allocation first if
-/// needed, and again if the memory there was freed and reallocated.
-Located locate_gpu(collective_client_t* client, GpuState& s, const void* ptr, std::uint64_t bytes,
-                   const char* which) {
+/// The allocation holding a GPU buffer, as the driver knows it.
+struct Allocation {
+  cu::DevicePtr base = 0;
+  std::size_t size = 0;
+  std::uint64_t buffer_id = 0;
+};
+
+/// Checks that [ptr, ptr+bytes) is GPU memory inside one allocation, and
+/// drops this client's registration at that allocation's base if the memory
+/// there was freed and allocated again since (its buffer id changed): the
+/// daemon would otherwise keep the freed memory mapped. gpu_mutex held.
+Allocation inspect_gpu(collective_client_t* client, GpuState& s, const void* ptr,
+                       std::uint64_t bytes, const char* which) {
   const CudaDriver& cu = *s.cu;
   const auto p = reinterpret_cast<cu::DevicePtr>(ptr);
   unsigned type = 0;
@@ -262,30 +271,37 @@ Located locate_gpu(collective_client_t* client, GpuState& s, const void* ptr, st
                                             " is not GPU memory the CUDA driver knows" +
                                             (tr != cu::kSuccess ? " (" + cu.error_text(tr) + ")" : ""));
   }
-  cu::DevicePtr base = 0;
-  std::size_t size = 0;
-  cu.check(cu.cuMemGetAddressRange(&base, &size, p), std::string(which) + " buffer: cuMemGetAddressRange");
-  if (p + bytes > base + size) {
+  Allocation a;
+  cu.check(cu.cuMemGetAddressRange(&a.base, &a.size, p), std::string(which) + " buffer: cuMemGetAddressRange");
+  if (p + bytes > a.base + a.size) {
     throw Error(Code::invalid_argument, std::string(which) + " buffer " + ptr_text(ptr) + " + " +
                                             std::to_string(bytes) +
                                             " bytes runs past the end of its allocation");
   }
-  const std::uint64_t id = attribute_u64(cu, cu::kPointerAttributeBufferId, ptr, "buffer id");
-  auto it = s.regs.find(base);
-  if (it != s.regs.end() && (it->second.buffer_id != id || it->second.size != size)) {
-    // Freed and reallocated at the same address: the old registration is stale.
+  a.buffer_id = attribute_u64(cu, cu::kPointerAttributeBufferId, ptr, "buffer id");
+  auto it = s.regs.find(a.base);
+  if (it != s.regs.end() && (it->second.buffer_id != a.buffer_id || it->second.size != a.size)) {
     const std::uint64_t stale = it->second.handle;
     s.regs.erase(it);
-    it = s.regs.end();
     try {
       deregister_handle(client, stale);
     } catch (const Error&) {
       // Already gone on the daemon's side; nothing more to release.
     }
   }
-  GpuRegistration& reg =
-      it != s.regs.end() ? it->second : register_allocation(client, s, ptr, base, size, id);
-  return Located{reg.handle, p - base, id};
+  return a;
+}
+
+/// Handle and offset of [ptr, ptr+bytes), registering its allocation first if
+/// needed, and again if the memory there was freed and reallocated.
+Located locate_gpu(collective_client_t* client, GpuState& s, const void* ptr, std::uint64_t bytes,
+                   const char* which) {
+  const Allocation a = inspect_gpu(client, s, ptr, bytes, which);
+  auto it = s.regs.find(a.base);
+  GpuRegistration& reg = it != s.regs.end()
+                             ? it->second
+                             : register_allocation(client, s, ptr, a.base, a.size, a.buffer_id);
+  return Located{reg.handle, reinterpret_cast<cu::DevicePtr>(ptr) - a.base, a.buffer_id};
 }
 
 class StreamSubmit final : public GpuSubmit {
@@ -407,52 +423,7 @@ DirectComm* direct_for(collective_comm_t* comm, const std::shared_ptr<GpuState>&
   return g.direct.get();
 }
 
-/// Checks a buffer of the client's kernels: device memory the driver knows.
-void check_device_pointer(const CudaDriver& cu, const void* p, std::uint64_t bytes, const char* which) {
-  if (bytes == 0) return;
-  unsigned type = 0;
-  const cu::Result r = cu.cuPointerGetAttribute(&type, cu::kPointerAttributeMemoryType,
-                                               reinterpret_cast<cu::DevicePtr>(p));
-  if (r != cu::kSuccess || type != cu::kMemoryTypeDevice) {
-    throw Error(Code::invalid_argument, std::string(which) + " buffer " + ptr_text(p) +
-                                            " is not GPU memory the CUDA driver knows");
-  }
-}
-
-/// The client's kernels need no registration, but a registration of memory
-/// since freed must not outlive it: the daemon would keep the freed memory
-/// mapped (and pinned), and a later registration of new memory there could
-/// meet the old mapping. Drops the registration at `p`'s allocation base if
-/// the memory there is no longer the registered buffer.
-void drop_stale(collective_client_t* client, GpuState& s, const void* p, std::uint64_t bytes) {
-  if (bytes == 0) return;
-  std::uint64_t stale = 0;
-  {
-    std::lock_guard lock(client->gpu_mutex);
-    if (s.regs.empty()) return;
-    const CudaDriver& cu = *s.cu;
-    cu::DevicePtr base = 0;
-    std::size_t size = 0;
-    if (cu.cuMemGetAddressRange(&base, &size, reinterpret_cast<cu::DevicePtr>(p)) != cu::kSuccess) return;
-    auto it = s.regs.find(base);
-    if (it == s.regs.end()) return;
-    std::uint64_t id = 0;
-    if (cu.cuPointerGetAttribute(&id, cu::kPointerAttributeBufferId, reinterpret_cast<cu::DevicePtr>(p)) !=
-            cu::kSuccess ||
-        (id == it->second.buffer_id && size == it->second.size)) {
-      return;
-    }
-    stale = it->second.handle;
-    s.regs.erase(it);
-  }
-  try {
-    deregister_handle(client, stale);
-  } catch (const Error&) {
-    // Already gone on the daemon's side.
-  }
-}
-
-collective_result_t run_direct(collective_comm_t* comm, DirectComm& d, direct::Kind kind,
+collective_result_t run_direct(collective_comm_t* comm, GpuState& s, DirectComm& d, direct::Kind kind,
                                const void* send, std::uint64_t send_bytes, void* recv,
                                std::uint64_t recv_bytes, std::size_t count,
                                collective_dtype_t dtype, collective_redop_t redop, int root,
@@ -469,11 +440,13 @@ collective_result_t run_direct(collective_comm_t* comm, DirectComm& d, direct::K
   const std::string what = std::string(name) + " on " + comm_where(comm);
   return guarded(name, [&] {
     try {
-      auto s = gpu_state(comm_client(comm));
-      check_device_pointer(*s->cu, send, send_bytes, "send");
-      check_device_pointer(*s->cu, recv, recv_bytes, "recv");
-      drop_stale(comm_client(comm), *s, send, send_bytes);
-      drop_stale(comm_client(comm), *s, recv, recv_bytes);
+      {
+        // The kernels take the buffers as they are (no registration), but
+        // within their allocations.
+        std::lock_guard lock(comm_client(comm)->gpu_mutex);
+        if (send_bytes > 0) inspect_gpu(comm_client(comm), s, send, send_bytes, "send");
+        if (recv_bytes > 0) inspect_gpu(comm_client(comm), s, recv, recv_bytes, "recv");
+      }
       std::unique_ptr<LocalCompletion> done;
       if (count > 0) {
         done = d.run(kind, send, recv, count, static_cast<int>(dtype), static_cast<int>(redop), root,
@@ -512,7 +485,7 @@ collective_result_t stream_op(collective_comm_t* comm, wire::OpKind kind, const 
     }
     // The same choice on every rank: it depends on the operation alone.
     if (dk && es != 0 && count * es <= direct->max_bytes()) {
-      return run_direct(comm, *direct, *dk, send, send_bytes, recv, recv_bytes, count, dtype, redop,
+      return run_direct(comm, *s, *direct, *dk, send, send_bytes, recv, recv_bytes, count, dtype, redop,
                         root, stream, name, request);
     }
   }
