@@ -94,17 +94,17 @@ void DirectBroker::session_gone(std::uint64_t session) {
     for (auto& [id, c] : comms_) {
       for (auto& [round, r] : c.rounds) {
         if (r.done) continue;
-        bool member = false;
+        std::optional<std::uint32_t> gone;
         for (auto it = r.waiting.begin(); it != r.waiting.end();) {
           if (it->session == session) {
-            member = true;
+            gone = it->rank;
             it = r.waiting.erase(it);
           } else {
             ++it;
           }
         }
-        if (member) {
-          r.declined = "a rank's client disconnected during the exchange";
+        if (gone) {
+          r.declined = "rank " + std::to_string(*gone) + "'s client disconnected during the exchange";
           finish(r, calls);
           if (round == 1) c.first_done = true;
         }

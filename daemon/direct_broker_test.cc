@@ -105,7 +105,7 @@ TEST_CASE("direct broker: ranks on several nodes, a client gone, the deadline: d
     b.join(5, 1, 1, 3, 1, 5, 11, "y", a1.reply());
     b.session_gone(11);
     REQUIRE(a0.called);
-    CHECK(a0.declined.find("disconnected") != std::string::npos);
+    CHECK(a0.declined.find("rank 1's client disconnected") != std::string::npos);
     CHECK_FALSE(a1.called);  // its reply is dropped with its session
   }
   SUBCASE("the deadline names the ranks that did not join") {
