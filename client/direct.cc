@@ -16,6 +16,7 @@ namespace collectived::client {
 namespace cu = gpu::cu;
 using gpu::CudaDriver;
 using gpu::ScopedContext;
+using gpu::uuid_text;
 
 namespace {
 
@@ -40,15 +41,6 @@ struct Blob {
   char reason[176];                          // why not (want == 0)
 };
 static_assert(sizeof(Blob) == 344);
-
-std::string uuid_text(const char* b) {
-  char out[64];
-  const auto* u = reinterpret_cast<const unsigned char*>(b);
-  std::snprintf(out, sizeof out, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
-                u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
-                u[14], u[15]);
-  return out;
-}
 
 /// One round of the exchange through the daemon's broker (DirectJoin): every
 /// rank's blob, or why the communicator's collectives go to the daemon.

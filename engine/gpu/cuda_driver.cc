@@ -92,6 +92,18 @@ void CudaDriver::check(cu::Result r, const std::string& what) const {
   throw Error(code, what + ": " + error_text(r));
 }
 
+std::string uuid_text(const void* bytes) {
+  static const char* digits = "0123456789abcdef";
+  const auto* u = static_cast<const unsigned char*>(bytes);
+  std::string out = "GPU-";
+  for (int i = 0; i < 16; ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) out += '-';
+    out += digits[u[i] >> 4];
+    out += digits[u[i] & 15];
+  }
+  return out;
+}
+
 ScopedContext::ScopedContext(const CudaDriver& cu, cu::Context ctx) : cu_(cu) {
   if (ctx != nullptr) {
     cu_.check(cu_.cuCtxPushCurrent(ctx), "cuCtxPushCurrent");

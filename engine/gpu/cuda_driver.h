@@ -216,6 +216,10 @@ class CudaDriver {
   int driver_version_ = 0;
 };
 
+/// A GPU's UUID as nvidia-smi and CUDA_VISIBLE_DEVICES write it:
+/// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx". `bytes`: the 16 bytes of cu::Uuid.
+std::string uuid_text(const void* bytes);
+
 /// Pushes `ctx` as the calling thread's current context for a scope.
 class ScopedContext {
  public:

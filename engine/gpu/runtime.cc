@@ -33,6 +33,7 @@
 namespace collectived::engine::gpu {
 
 using collectived::gpu::CudaDriver;
+using collectived::gpu::uuid_text;
 namespace cu = collectived::gpu::cu;
 using kernels::CopyLaunch;
 using kernels::kMaxKernelPointers;
@@ -44,16 +45,6 @@ void check_rt(cudaError_t e, const std::string& what) {
   if (e != cudaSuccess) {
     throw Error(Code::system, what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
   }
-}
-
-std::string hex(const std::string& bytes) {
-  static const char* digits = "0123456789abcdef";
-  std::string out;
-  for (unsigned char c : bytes) {
-    out += digits[c >> 4];
-    out += digits[c & 15];
-  }
-  return out;
 }
 
 constexpr int kStreamsPerDevice = 4;
@@ -1020,7 +1011,7 @@ class CudaExecutor final : public GpuExecutor {
           cudaGetLastError();
         }
       }
-      status_.devices.push_back(std::to_string(i) + ": " + d.name + " (GPU-" + hex(d.uuid) + ", " +
+      status_.devices.push_back(std::to_string(i) + ": " + d.name + " (" + uuid_text(d.uuid.data()) + ", " +
                                 std::to_string(prop.multiProcessorCount) + " SMs)");
       devices_.push_back(std::move(d));
     }
@@ -1034,7 +1025,7 @@ class CudaExecutor final : public GpuExecutor {
       if (d.uuid == uuid) return d.ordinal;
     }
     throw Error(Code::invalid_argument,
-                "the client's GPU (GPU-" + hex(uuid) + ") is not one this daemon sees (" +
+                "the client's GPU (" + uuid_text(uuid.data()) + ") is not one this daemon sees (" +
                     std::to_string(devices_.size()) + " GPU(s); check CUDA_VISIBLE_DEVICES "
                     "of the daemon)");
   }
