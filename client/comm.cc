@@ -104,14 +104,18 @@ collective_result_t finish(collective_request_t* r) {
   return fail(static_cast<Code>(r->result), r->message);
 }
 
+collective_result_t still_pending(const collective_request_t* r, std::chrono::milliseconds limit) {
+  return fail(Code::timeout, "collective_wait: " + r->what + " not complete after " +
+                                 std::to_string(limit.count()) + " ms (the request is still pending)");
+}
+
 // A request the client runs itself: polls its GPU work.
 collective_result_t wait_local(collective_request_t* r, std::chrono::milliseconds limit) {
   Code code = Code::ok;
   std::string message;
   if (!r->local->poll(limit, code, message)) {
     if (limit.count() == 0) return COLLECTIVE_OK;  // collective_test: not yet
-    return fail(Code::timeout, "collective_wait: " + r->what + " not complete after " +
-                                   std::to_string(limit.count()) + " ms (the request is still pending)");
+    return still_pending(r, limit);
   }
   r->done = true;
   r->result = static_cast<collective_result_t>(code);
@@ -599,11 +603,7 @@ collective_result_t collective_wait(collective_request_t* r, int timeout_ms) {
     if (r->local) return wait_local(r, limit);
     try {
       auto reply = r->conn->wait_reply(r->id, Clock::now() + limit);
-      if (!reply) {
-        return fail(Code::timeout, "collective_wait: " + r->what + " not complete after " +
-                                       std::to_string(limit.count()) +
-                                       " ms (the request is still pending)");
-      }
+      if (!reply) return still_pending(r, limit);
       settle(r, reply.get(), nullptr);
     } catch (const Error& e) {
       settle(r, nullptr, &e);
@@ -617,9 +617,9 @@ collective_result_t collective_test(collective_request_t* r, int* done) {
     return fail(Code::invalid_argument, "collective_test: request and done must be set");
   }
   if (!r->done && r->local) {
-    wait_local(r, std::chrono::milliseconds(0));
+    const collective_result_t rc = wait_local(r, std::chrono::milliseconds(0));
     *done = r->done ? 1 : 0;
-    return r->done ? finish(r) : COLLECTIVE_OK;
+    return rc;
   }
   if (!r->done) {
     try {
