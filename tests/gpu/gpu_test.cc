@@ -324,6 +324,24 @@ const engine::DType kAllTypes[] = {engine::DType::int8,    engine::DType::uint8,
 const engine::RedOp kAllOps[] = {engine::RedOp::sum, engine::RedOp::prod, engine::RedOp::min,
                                  engine::RedOp::max, engine::RedOp::avg};
 
+/// The communicator's first stream-ordered collective sets up its GPU path
+/// (the client kernels' exchange through the daemon, which blocks the caller
+/// and may wait for the GPU, like NCCL's first collective): a 1-element
+/// all-reduce in place on `buf`, waited for. Tests that hold a stream back
+/// run it first.
+bool set_up_gpu_path(GpuRank& g, cu::DevicePtr buf) {
+  collective_request_t* req = nullptr;
+  if (collective_all_reduce_stream(g.comm, reinterpret_cast<void*>(buf), reinterpret_cast<void*>(buf), 1,
+                                   COLLECTIVE_INT32, COLLECTIVE_SUM, g.stream, &req) != COLLECTIVE_OK ||
+      collective_wait(req, 30000) != COLLECTIVE_OK) {
+    std::fprintf(stderr, "rank %d: first collective: %s\n", g.rank, collective_last_error());
+    return false;
+  }
+  collective_request_free(req);
+  std::fprintf(stderr, "rank %d: gpu path: %s\n", g.rank, collective_comm_gpu_path(g.comm));
+  return true;
+}
+
 int matrix_body(GpuRank& g) {
   long wrong = 0;
   std::string first;
@@ -500,19 +518,7 @@ TEST_CASE("gpu: stream order: the operation waits for a held-back producer, the 
     const std::size_t count = 1 << 20;
     cu::DevicePtr buf = g.alloc(count * 4), out = g.alloc(count * 4);
     g.ok(g.cu->cuMemsetD32(buf, 1, count), "memset");
-    {
-      // The first stream-ordered collective on a communicator sets up its GPU
-      // path (a host exchange through the daemon, which blocks the caller,
-      // like NCCL's first collective): done before the stream is held back.
-      collective_request_t* first = nullptr;
-      if (collective_all_reduce_stream(g.comm, reinterpret_cast<void*>(buf), reinterpret_cast<void*>(out), 1,
-                                       COLLECTIVE_INT32, COLLECTIVE_SUM, g.stream, &first) != COLLECTIVE_OK ||
-          collective_wait(first, 30000) != COLLECTIVE_OK) {
-        return 9;
-      }
-      collective_request_free(first);
-      std::fprintf(stderr, "rank %d: gpu path: %s\n", g.rank, collective_comm_gpu_path(g.comm));
-    }
+    if (!set_up_gpu_path(g, buf)) return 9;  // before the stream is held back
     // The producer: a stream blocked on a host word until the CPU releases it,
     // then a memset to the value the all-reduce must see.
     void* page = nullptr;
@@ -796,16 +802,8 @@ void killed_while_queued(const std::string& mode) {
   with_ranks(d, 2, std::min(g_gpus, 2), [](GpuRank& g) {
     const std::size_t count = 1024;
     cu::DevicePtr buf = g.alloc(count * 4);
+    if (!set_up_gpu_path(g, buf)) return 44;  // before rank 0's stream is held back
     collective_request_t* req = nullptr;
-    // The communicator's first stream-ordered collective sets up its GPU path
-    // (and may wait for the GPU): done before rank 0's stream is held back.
-    if (collective_all_reduce_stream(g.comm, reinterpret_cast<void*>(buf), reinterpret_cast<void*>(buf), 1,
-                                     COLLECTIVE_INT32, COLLECTIVE_SUM, g.stream, &req) != COLLECTIVE_OK ||
-        collective_wait(req, 30000) != COLLECTIVE_OK) {
-      return 44;
-    }
-    collective_request_free(req);
-    req = nullptr;
     if (g.rank == 0) {
       // A producer that never finishes: the operation is matched and enqueued
       // on the daemon's GPU stream behind an event that is never reached.
