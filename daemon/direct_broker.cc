@@ -17,8 +17,9 @@ void DirectBroker::finish(Round& r, std::vector<std::function<void()>>& out) {
 }
 
 namespace {
-std::string host_text(const std::string& who, std::uint64_t seq) {
-  return who + " runs collective " + std::to_string(seq) +
+std::string host_text(std::uint32_t rank, long pid, std::uint64_t seq) {
+  return "rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ") runs collective " +
+         std::to_string(seq) +
          " of the communicator on host memory (every rank must be on GPU memory for the "
          "client's kernels)";
 }
@@ -41,7 +42,7 @@ void DirectBroker::join(std::uint64_t comm, std::uint32_t round, std::uint32_t r
         r.declined = "its ranks live on " + std::to_string(nodes) +
                      " nodes (the client's kernels need every rank on one node)";
       } else if (round == 1 && c.host_seen && c.host_seq >= seq) {
-        r.declined = host_text(c.host_who, c.host_seq);
+        r.declined = host_text(c.host_rank, c.host_pid, c.host_seq);
       }
       if (round == 1) c.position = seq;
       r.done = !r.declined.empty();
@@ -66,7 +67,7 @@ void DirectBroker::join(std::uint64_t comm, std::uint32_t round, std::uint32_t r
 }
 
 void DirectBroker::host_collective(std::uint64_t comm, std::uint32_t rank, std::uint64_t seq,
-                                   const std::string& who) {
+                                   long pid) {
   std::vector<std::function<void()>> calls;
   {
     std::lock_guard lock(mu_);
@@ -75,11 +76,12 @@ void DirectBroker::host_collective(std::uint64_t comm, std::uint32_t rank, std::
     if (!c.host_seen || seq >= c.host_seq) {
       c.host_seen = true;
       c.host_seq = seq;
-      c.host_who = "rank " + std::to_string(rank) + " (" + who + ")";
+      c.host_rank = rank;
+      c.host_pid = pid;
     }
     auto it = c.rounds.find(1);
     if (it != c.rounds.end() && !it->second.done && seq >= c.position) {
-      it->second.declined = host_text(c.host_who, c.host_seq);
+      it->second.declined = host_text(c.host_rank, c.host_pid, c.host_seq);
       finish(it->second, calls);
       c.first_done = true;
     }

@@ -35,9 +35,9 @@ class DirectBroker {
   void join(std::uint64_t comm, std::uint32_t round, std::uint32_t rank, std::uint32_t nranks,
             std::uint32_t nodes, std::uint64_t seq, std::uint64_t session, std::string blob,
             Reply reply);
-  /// Rank `rank` submits collective `seq` on host memory. Hot path: one map
-  /// lookup. Any thread.
-  void host_collective(std::uint64_t comm, std::uint32_t rank, std::uint64_t seq, const std::string& who);
+  /// Rank `rank` (process `pid`) submits collective `seq` on host memory.
+  /// Hot path: one map lookup, nothing allocated once recorded. Any thread.
+  void host_collective(std::uint64_t comm, std::uint32_t rank, std::uint64_t seq, long pid);
   /// The session's joins are dropped; the rounds it was in are declined.
   void session_gone(std::uint64_t session);
   /// Forgets the communicator (destroyed).
@@ -68,7 +68,8 @@ class DirectBroker {
     std::uint64_t position = 0;  // round 1: the sequence number the ranks joined at
     bool host_seen = false;      // a host collective came (the latest below)
     std::uint64_t host_seq = 0;  // the highest sequence number of a host collective
-    std::string host_who;        // "rank 1 (pid 42)", of that collective
+    std::uint32_t host_rank = 0;  // who made that collective
+    long host_pid = 0;
   };
   /// Answers every waiter of `r` (lock released first); `out` collects the calls.
   static void finish(Round& r, std::vector<std::function<void()>>& out);

@@ -41,7 +41,7 @@ TEST_CASE("direct broker: a round is answered with every rank's blob, in rank or
     CHECK(a->blobs == std::vector<std::string>{"zero", "one", "two"});
   }
   // Later rounds are separate; host collectives after round 1 do not matter.
-  b.host_collective(7, 1, 9, "pid 11");
+  b.host_collective(7, 1, 9, 11);
   Answer r0, r1;
   b.join(7, 2, 0, 2 + 1, 1, 5, 10, "h0", r0.reply());
   b.join(7, 2, 1, 3, 1, 5, 11, "h1", r1.reply());
@@ -58,8 +58,8 @@ TEST_CASE("direct broker: a round is answered with every rank's blob, in rank or
 TEST_CASE("direct broker: a rank on host memory where the others join declines the communicator, before or after the joins") {
   DirectBroker b;
   SUBCASE("host collectives below the joining position do not matter") {
-    b.host_collective(3, 1, 3, "pid 42");
-    b.host_collective(3, 0, 4, "pid 41");
+    b.host_collective(3, 1, 3, 42);
+    b.host_collective(3, 0, 4, 41);
     Answer a0, a1;
     b.join(3, 1, 0, 2, 1, 5, 10, "x", a0.reply());
     b.join(3, 1, 1, 2, 1, 5, 11, "y", a1.reply());
@@ -68,7 +68,7 @@ TEST_CASE("direct broker: a rank on host memory where the others join declines t
     CHECK(a1.blobs == std::vector<std::string>{"x", "y"});
   }
   SUBCASE("the host collective at the position first: the joins are declined at once, naming the rank") {
-    b.host_collective(3, 1, 5, "pid 42");
+    b.host_collective(3, 1, 5, 42);
     Answer a;
     b.join(3, 1, 0, 2, 1, 5, 10, "x", a.reply());
     REQUIRE(a.called);
@@ -78,9 +78,9 @@ TEST_CASE("direct broker: a rank on host memory where the others join declines t
   SUBCASE("a join waiting: declined when the host collective at its position comes") {
     Answer a;
     b.join(3, 1, 0, 2, 1, 5, 10, "x", a.reply());
-    b.host_collective(3, 1, 4, "pid 42");  // an earlier one: nothing yet
+    b.host_collective(3, 1, 4, 42);  // an earlier one: nothing yet
     CHECK_FALSE(a.called);
-    b.host_collective(3, 1, 5, "pid 42");
+    b.host_collective(3, 1, 5, 42);
     REQUIRE(a.called);
     CHECK(a.declined.find("rank 1") != std::string::npos);
     // The rank that made the host collective may still join later: the same answer.

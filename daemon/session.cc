@@ -331,8 +331,7 @@ void ClientSession::note_host_collective(std::uint64_t comm) {
   }
   const auto shape = host_.engine().comm_shape(id_, comm);
   if (shape) {
-    host_.direct_broker().host_collective(shape->id, shape->rank, shape->next_seq,
-                                          "pid " + std::to_string(cred_.pid));
+    host_.direct_broker().host_collective(shape->id, shape->rank, shape->next_seq, cred_.pid);
   }
 }
 
