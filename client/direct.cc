@@ -28,12 +28,11 @@ constexpr std::uint64_t kDataAt = (kFlagBytes + 255) / 256 * 256;
 // stay on one block (one flag exchange), large ones spread over kMaxBlocks.
 constexpr std::uint64_t kBytesPerBlock = 64 * 1024;
 
-/// What each rank tells the others at setup (host all-gather, fixed size).
+/// What each rank tells the others in each set-up round (through the broker, fixed size).
 struct Blob {
   std::uint32_t magic;
   std::uint32_t want;  // 1: this rank can run the kernels
   std::uint32_t pid;
-  std::uint32_t nranks;
   std::uint64_t max_bytes;
   char node[64];
   char uuid[16];
@@ -56,18 +55,26 @@ std::vector<Blob> join(collective_comm_t* comm, std::uint32_t round, const Blob&
   // The broker answers by the operation deadline at the latest.
   auto reply = conn.call(b, {}, Clock::now() + conn.operation_deadline() + kDeadlineMargin);
   if (!reply->message().isDirectJoined()) {
-    throw Error(Code::protocol, "DirectJoin: unexpected answer from the daemon");
+    throw Error(Code::protocol, "DirectJoin on " + comm_where(comm) + ": unexpected answer from the daemon");
   }
   auto r = reply->message().getDirectJoined();
   declined = r.getDeclined().cStr();
   std::vector<Blob> all;
   if (!declined.empty()) return all;
   const auto n = static_cast<std::size_t>(collective_comm_size(comm));
-  if (r.getBlobs().size() != n) throw Error(Code::protocol, "DirectJoin: wrong number of blobs");
+  if (r.getBlobs().size() != n) {
+    throw Error(Code::protocol, "DirectJoin on " + comm_where(comm) + ": " +
+                                    std::to_string(r.getBlobs().size()) + " blobs for " +
+                                    std::to_string(n) + " ranks");
+  }
   all.resize(n);
   for (unsigned i = 0; i < n; ++i) {
     auto d = r.getBlobs()[i];
-    if (d.size() != sizeof(Blob)) throw Error(Code::protocol, "DirectJoin: blob of the wrong size");
+    if (d.size() != sizeof(Blob)) {
+      throw Error(Code::protocol, "DirectJoin on " + comm_where(comm) + ": rank " + std::to_string(i) +
+                                      "'s blob has " + std::to_string(d.size()) + " bytes, not " +
+                                      std::to_string(sizeof(Blob)));
+    }
     std::memcpy(&all[i], d.begin(), sizeof(Blob));
   }
   return all;
@@ -234,7 +241,6 @@ std::unique_ptr<DirectComm> DirectComm::setup(collective_comm_t* comm,
   Blob mine{};
   mine.magic = kBlobMagic;
   mine.pid = static_cast<std::uint32_t>(::getpid());
-  mine.nranks = static_cast<std::uint32_t>(n);
   mine.max_bytes = (policy.max_bytes + 255) / 256 * 256;
   copy_text(mine.node, sizeof mine.node, node.c_str());
   cu::Device dev = 0;
