@@ -44,7 +44,10 @@ using Wire = import "protocol.capnp";
 # 2: data chunks carry their bytes raw after the frame (DataChunk.raw).
 # 3: a large message's head may travel in every chunk's frame (DataChunk.head),
 #    its raw bytes then being the payload alone.
-const peerProtocolVersion :UInt32 = 3;
+# 4: the engine's broadcast chain and pairwise all-gather wait for the
+#    receiver's ready-to-receive message (engine/node_algorithms.cc): a node
+#    at 3 would never send it.
+const peerProtocolVersion :UInt32 = 4;
 
 # Bytes of each side's nonce.
 const nonceBytes :UInt32 = 32;

@@ -119,6 +119,50 @@ TEST_CASE("large pairwise and chain operations: chunks received straight into th
   CHECK(placed > 0);
 }
 
+namespace {
+int count_of(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+}  // namespace
+
+TEST_CASE("a node that runs ahead waits until the receiver is ready: every chunk of a broadcast "
+          "chain and of a pairwise all-gather is received straight into place") {
+  // The late ranks submit 150 ms after the early ones. Without the ready
+  // handshake (node_algorithms.cc, tell_ready) the early node's chunks
+  // arrived before the late node had posted its output, and were copied
+  // from a fresh buffer instead (none placed).
+  const std::string placed = "event=node_receive_placed";
+  SUBCASE("broadcast: the root is early") {
+    Cluster cl(3, {"log.level=debug"});
+    const std::size_t count = 700001;  // int32: 1 + 1 + 0.67 MiB, every chunk placeable
+    run_layout(cl, {0, 1, 2}, count * 4 + 4096, [&](RankCtx& c) {
+      for (int round = 0; round < 3; ++round) {
+        if (c.rank != 0) std::this_thread::sleep_for(150ms);
+        run_case(c, Op::broadcast, COLLECTIVE_INT32, COLLECTIVE_SUM, count, round == 1, 0, 11 + round);
+      }
+      return 0;
+    });
+    CHECK(count_of(cl.nodes[0].daemon->log(), placed) == 0);
+    CHECK(count_of(cl.nodes[1].daemon->log(), placed) == 3 * 3);
+    CHECK(count_of(cl.nodes[2].daemon->log(), placed) == 3 * 3);
+  }
+  SUBCASE("all-gather: rank r is r x 150 ms late") {
+    Cluster cl(3, {"log.level=debug"});
+    const std::size_t count = 400000;  // int32 per rank: 1 + 0.53 MiB
+    run_layout(cl, {0, 1, 2}, count * 4 * 3 + 4096, [&](RankCtx& c) {
+      for (int round = 0; round < 3; ++round) {
+        std::this_thread::sleep_for(c.rank * 150ms);
+        run_case(c, Op::all_gather, COLLECTIVE_INT32, COLLECTIVE_SUM, count, round == 1, 0, 21 + round);
+      }
+      return 0;
+    });
+    // Every node receives 2 chunks from each of the 2 others, 3 times.
+    for (const auto& node : cl.nodes) CHECK(count_of(node.daemon->log(), placed) == 2 * 2 * 3);
+  }
+}
+
 TEST_CASE("a second communicator over the same nodes opens no new connection; many at once") {
   Cluster cl(2);
   run_layout(cl, {0, 1}, 1 << 16, [](RankCtx& c) { return sum_check(c, c.comm, 1000) ? 0 : 1; });
