@@ -565,6 +565,12 @@ constexpr std::array kSchema{
 
     Key{"workers.threads", [](N n, Profile& p, C c) { p.workers.threads = as_uint(n, c, 0, 1024); },
         [](E e, P p) { e << p.workers.threads; }, "worker threads; 0 = one per CPU"},
+    Key{"workers.event_loop_spin_us",
+        [](N n, Profile& p, C c) {
+          p.workers.event_loop_spin = std::chrono::microseconds(as_uint(n, c, 0, 1000000));
+        },
+        [](E e, P p) { e << p.workers.event_loop_spin.count(); },
+        "event loop polling before it sleeps; 0 = never"},
 
     Key{"memory.host_pool_bytes",
         [](N n, Profile& p, C c) { p.memory.host_pool_bytes = as_size(n, c, 0, TiB); },

@@ -76,6 +76,9 @@ struct DeadlineSection {
 
 struct WorkerSection {
   std::uint32_t threads = 0;  ///< 0 = one per online CPU
+  /// How long the event loop keeps polling (sched_yield between polls) after
+  /// its last handler before it sleeps in epoll; 0 = sleep at once.
+  std::chrono::microseconds event_loop_spin{0};
 };
 
 struct MemorySection {

@@ -81,6 +81,7 @@ void check_equal(const cfg::Profile& a, const cfg::Profile& b) {
   CHECK(a.deadlines.shutdown == b.deadlines.shutdown);
   CHECK(a.deadlines.client_request == b.deadlines.client_request);
   CHECK(a.workers.threads == b.workers.threads);
+  CHECK(a.workers.event_loop_spin == b.workers.event_loop_spin);
   CHECK(a.memory.host_pool_bytes == b.memory.host_pool_bytes);
   CHECK(a.memory.max_registered_bytes == b.memory.max_registered_bytes);
   CHECK(a.memory.max_unreceived_bytes == b.memory.max_unreceived_bytes);
@@ -113,7 +114,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   const std::string text(cfg::default_profile_text());
   REQUIRE(!text.empty());
   const std::vector<std::string> keys = cfg::known_keys();
-  CHECK(keys.size() == 46);  // main's 37 + metrics.listen + gpu.stage_chunk_bytes + tcp.io_threads + verbs.in_place_min_bytes + gpu.copy_engine_min_bytes + gpu.client_kernels + gpu.client_kernel_max_bytes
+  CHECK(keys.size() == 47);  // main's 37 + metrics.listen + gpu.stage_chunk_bytes + tcp.io_threads + verbs.in_place_min_bytes + gpu.copy_engine_min_bytes + gpu.client_kernels + gpu.client_kernel_max_bytes
   CHECK(keys.front() == "node.name");
   CHECK(keys.back() == "metrics.listen");
   for (const std::string& key : keys) {
@@ -146,6 +147,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   CHECK(p.deadlines.shutdown == 5000ms);
   CHECK(p.deadlines.client_request == 10000ms);
   CHECK(p.workers.threads == 0);
+  CHECK(p.workers.event_loop_spin == std::chrono::microseconds(100));
   CHECK(p.memory.host_pool_bytes == 64ull << 20);
   CHECK(p.memory.max_registered_bytes == 0);
   CHECK(p.memory.max_unreceived_bytes == 4ull << 30);

@@ -1,5 +1,7 @@
 #include "daemon/server.h"
 
+#include <sched.h>
+
 #include <dirent.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -92,7 +94,8 @@ bool live_key(const std::string& key) {
   return key == "log.level" || key.rfind("deadlines.", 0) == 0 ||
          key == "memory.max_registered_bytes" || key == "client.max_registrations_per_client" ||
          key == "client.allowed_uids" || key == "client.allowed_gids" ||
-         key == "client.max_clients" || key.rfind("collectives.", 0) == 0;
+         key == "client.max_clients" || key.rfind("collectives.", 0) == 0 ||
+         key == "workers.event_loop_spin_us";
 }
 
 }  // namespace
@@ -204,6 +207,34 @@ void Server::arm_deadline_sweep() {
   });
 }
 
+void Server::run_event_loop() {
+  // Between nodes, an operation's messages come in one after the other: a
+  // chunk, the next node's ready, a completion. Sleeping in epoll between
+  // them costs a wake-up each (an interrupt, a context switch; tens of
+  // microseconds on a loaded host), which NCCL's proxy and Open MPI avoid
+  // by polling. So after a handler ran, the loop keeps polling, yielding the
+  // CPU between polls (other daemons, clients and workers may need it), for
+  // workers.event_loop_spin_us before it sleeps. An idle daemon polls only
+  // after its heartbeats. Measured on 2 cores, 4 daemons x 1 rank: an 8-byte
+  // all-reduce 200-230 -> 90-190 us; 1-4 MiB busbw up in 22 of 24 cells
+  // (1.02-1.77x, 4 interleaved rounds). 400 us was no better than 100.
+  using Clock = std::chrono::steady_clock;
+  auto busy_at = Clock::now();
+  while (!io_.stopped()) {
+    if (io_.poll() != 0) {  // ready handlers, and the sockets (epoll, no wait)
+      busy_at = Clock::now();
+      continue;
+    }
+    if (io_.stopped()) break;
+    if (Clock::now() - busy_at < profile_.workers.event_loop_spin) {
+      sched_yield();
+      continue;
+    }
+    if (io_.run_one() == 0) break;  // sleeps until the next handler
+    busy_at = Clock::now();
+  }
+}
+
 int Server::run() {
   accept_next();
   wait_signal();
@@ -219,7 +250,7 @@ int Server::run() {
                           {"metrics", metrics_server_.address()},
                           {"profile", source_.file.empty() ? "<embedded default>" : source_.file}});
   notifier_.ready();
-  io_.run();
+  run_event_loop();
   log_.info("stopped", {{"uptime_ms", std::chrono::duration_cast<std::chrono::milliseconds>(
                                           std::chrono::steady_clock::now() - started_)
                                           .count()}});
@@ -418,6 +449,7 @@ void Server::reload() {
   merged.client.allowed_gids = next.client.allowed_gids;
   merged.client.max_clients = next.client.max_clients;
   merged.collectives = next.collectives;
+  merged.workers.event_loop_spin = next.workers.event_loop_spin;
   profile_ = std::move(merged);
   engine_.set_node_algorithms(node_algorithms(profile_));
   log_.set_level(profile_.log.level);

@@ -59,6 +59,8 @@ class Server final : public SessionHost {
   DirectBroker& direct_broker() override { return direct_broker_; }
 
  private:
+  /// io_.run(), polling for workers.event_loop_spin_us before each sleep.
+  void run_event_loop();
   void accept_next();
   void on_accept(boost::asio::local::stream_protocol::socket socket);
   bool allowed(const PeerCredentials& cred, int fd, std::string& why) const;
