@@ -265,6 +265,42 @@ class EngineChannel final : public NodeChannel {
     if (st->error) std::rethrow_exception(st->error);
   }
 
+  int parallelism() const override {
+    // Cores to spare: the pool has threads beyond the two that the event loop
+    // and the transport's copies keep busy (the same rule as tcp.io_threads).
+    const std::size_t threads = I_.pool.size();
+    return threads >= 4 ? static_cast<int>(std::min<std::size_t>(threads - 2, 8)) : 1;
+  }
+
+  struct AsyncWork {
+    std::atomic<bool> done{false};
+    std::exception_ptr error;
+  };
+
+  Ticket compute_async(std::function<void()> work) override {
+    auto st = std::make_shared<AsyncWork>();
+    std::weak_ptr<Executor> wex = comm_->exec;
+    I_.pool.submit([st, work = std::move(work), wex] {
+      try {
+        work();
+      } catch (...) {
+        st->error = std::current_exception();
+      }
+      st->done.store(true, std::memory_order_release);
+      if (auto ex = wex.lock()) Executor::wake(ex);
+    });
+    return st;
+  }
+
+  void compute_wait(const Ticket& ticket) override {
+    if (!ticket) return;
+    const auto* st = static_cast<const AsyncWork*>(ticket.get());
+    // Whatever happens meanwhile (the work holds the ranks' buffers): no
+    // deadline here, a pass over one chunk takes microseconds to milliseconds.
+    while (!st->done.load(std::memory_order_acquire)) Executor::wait(*comm_->exec);
+    if (st->error) std::rethrow_exception(st->error);
+  }
+
   NodePayload recv(int from, std::uint64_t tag) override {
     Executor::take_turns(comm_->exec);
     std::unique_lock lock(I_.mu);
@@ -953,6 +989,7 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
                    {"op", to_string(op.kind)},
                    {"bytes", bytes},
                    {"nodes", comm.node_address.size()},
+                   {"parallel_passes", ch.parallelism()},
                    {"algorithm", node_algorithm(op.kind, bytes, static_cast<int>(comm.node_address.size()), algorithms)}});
       }
       run_node_collective(ch, op, algorithms, 0);

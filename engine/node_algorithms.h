@@ -80,6 +80,23 @@ class NodeChannel {
   /// serves the peers (heartbeats, other operations, clients) is not held up
   /// for the milliseconds to seconds a large pass takes. Default: inline.
   virtual void compute(const std::function<void()>& work) { work(); }
+  /// How many passes over chunks an algorithm may have running at once on
+  /// other threads (compute_async); 1: run each inline, where the chunk is
+  /// (a machine without cores to spare: the hand-off costs more than it
+  /// frees).
+  virtual int parallelism() const { return 1; }
+  /// What compute_async returns: compute_wait(ticket) waits for that work.
+  using Ticket = std::shared_ptr<void>;
+  /// Starts `work` (a pass over one chunk) on the worker pool and returns at
+  /// once. Every ticket must be waited for before the operation returns,
+  /// also when it fails (the work writes into the ranks' buffers). Default:
+  /// runs it inline.
+  virtual Ticket compute_async(std::function<void()> work) {
+    work();
+    return nullptr;
+  }
+  /// Returns when the work of `ticket` is done, rethrowing what it threw.
+  virtual void compute_wait(const Ticket& ticket) { (void)ticket; }
   /// The message `from` sent under `tag`. Blocks until it arrived; throws Error
   /// at the operation's deadline, when the communicator broke, or when the
   /// sender's operation does not match this node's (naming both).

@@ -8,12 +8,15 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <thread>
 
 #include "ipc/error.h"
@@ -74,8 +77,37 @@ class Fabric {
 /// that returns with sends outstanding fails `flushed()`.
 class MemChannel final : public NodeChannel {
  public:
-  MemChannel(Fabric& f, int me, int n) : f_(f), me_(me), n_(n) {}
+  /// `parallelism` > 1: compute_async runs each pass on a thread of its
+  /// own after a random delay, so that passes finish out of order.
+  MemChannel(Fabric& f, int me, int n, int parallelism = 1)
+      : f_(f), me_(me), n_(n), parallelism_(parallelism), rng_(static_cast<unsigned>(me) * 7919u + 1) {}
   int node() const override { return me_; }
+  int parallelism() const override { return parallelism_; }
+  Ticket compute_async(std::function<void()> work) override {
+    if (parallelism_ <= 1) return NodeChannel::compute_async(std::move(work));
+    auto pass = std::make_shared<Pass>();
+    const auto delay = std::chrono::microseconds(rng_() % 300);
+    pass->thread = std::thread([pass = pass.get(), work = std::move(work), delay] {
+      std::this_thread::sleep_for(delay);
+      try {
+        work();
+      } catch (...) {
+        pass->error = std::current_exception();
+      }
+    });
+    ++async_;
+    return pass;
+  }
+  void compute_wait(const Ticket& ticket) override {
+    if (!ticket) return;
+    auto* pass = static_cast<Pass*>(ticket.get());
+    pass->thread.join();
+    ++waited_;
+    if (pass->error) std::rethrow_exception(pass->error);
+  }
+  /// Every pass started was waited for.
+  bool drained() const { return async_ == waited_; }
+  int passes() const { return async_; }
   int nodes() const override { return n_; }
   void send(int to, std::uint64_t tag, std::span<const std::span<const std::byte>> pieces,
             std::shared_ptr<const void> owner) override {
@@ -116,8 +148,16 @@ class MemChannel final : public NodeChannel {
     pending_.clear();
   }
 
+  struct Pass {
+    std::thread thread;
+    std::exception_ptr error;
+  };
+
   Fabric& f_;
   int me_, n_;
+  int parallelism_;
+  std::minstd_rand rng_;
+  int async_ = 0, waited_ = 0;
   std::vector<Pending> pending_;
   std::vector<std::byte> scratch_;
 };
@@ -134,8 +174,10 @@ struct Case {
   int root;
 };
 
-/// Runs `c` on the layout `node_of_rank` with int32 elements; checks every output.
-void run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithmOptions& o) {
+/// Runs `c` on the layout `node_of_rank` with int32 elements; checks every
+/// output. Returns how many passes ran through compute_async on all nodes.
+int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithmOptions& o,
+         int parallelism = 1) {
   const int nranks = static_cast<int>(node_of_rank.size());
   const int nodes = *std::max_element(node_of_rank.begin(), node_of_rank.end()) + 1;
   const std::uint64_t one = c.count * 4;
@@ -155,11 +197,12 @@ void run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorith
   }
   Fabric fabric(nodes);
   std::vector<std::string> errors(nodes);
+  std::atomic<int> passes{0};
   std::vector<std::thread> threads;
   for (int j = 0; j < nodes; ++j) {
     threads.emplace_back([&, j] {
       try {
-        MemChannel ch(fabric, j, nodes);
+        MemChannel ch(fabric, j, nodes, parallelism);
         NodeCollective op;
         op.kind = c.kind;
         op.dtype = DType::int32;
@@ -186,6 +229,8 @@ void run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorith
         }
         run_node_collective(ch, op, o, 1000);
         if (!ch.flushed()) errors[j] = "returned with sends outstanding";
+        if (!ch.drained()) errors[j] = "returned with passes running";
+        passes += ch.passes();
       } catch (const std::exception& e) {
         errors[j] = e.what();
       }
@@ -208,7 +253,7 @@ void run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorith
     if (c.redop == RedOp::avg) acc = static_cast<std::int32_t>(acc) / nranks;
     return static_cast<std::int32_t>(acc);
   };
-  if (c.kind == OpKind::barrier) return;
+  if (c.kind == OpKind::barrier) return passes;
   int bad = 0;
   for (int r = 0; r < nranks; ++r) {
     for (std::uint64_t i = 0; i < c.count * (wide_recv ? nranks : 1) && bad < 3; ++i) {
@@ -233,6 +278,7 @@ void run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorith
       }
     }
   }
+  return passes;
 }
 
 }  // namespace
@@ -269,6 +315,31 @@ TEST_CASE("node algorithms match the reference for every layout, size and operat
       }
     }
   }
+  }
+}
+
+TEST_CASE("pairwise reduce-scatter and all-reduce with chunk reductions running at once, "
+          "finishing out of order") {
+  NodeAlgorithmOptions o;
+  o.chunk_bytes = 256;
+  o.direct_max_bytes = 512;
+  const std::vector<std::vector<int>> layouts = {{0, 1}, {0, 1, 2}, {0, 0, 1, 2, 2, 2}, {1, 0, 1, 2, 3, 3}};
+  for (const auto& layout : layouts) {
+    for (OpKind k : {OpKind::all_reduce, OpKind::reduce_scatter}) {
+      for (std::uint64_t count : {1001ull, 4099ull}) {
+        for (bool in_place : {false, true}) {
+          for (RedOp op : {RedOp::sum, RedOp::max, RedOp::avg}) {
+            for (int parallelism : {2, 5}) {
+              CAPTURE(layout.size());
+              CAPTURE(count);
+              CAPTURE(in_place);
+              CAPTURE(parallelism);
+              CHECK(run(layout, Case{k, op, count, in_place, 0}, o, parallelism) > 0);
+            }
+          }
+        }
+      }
+    }
   }
 }
 

@@ -67,6 +67,21 @@ TEST_CASE("the full matrix on the pairwise paths: one rank per node reads and wr
   }
 }
 
+TEST_CASE("the pairwise paths with chunk reductions on the worker pool, several at once") {
+  // workers.threads 4: NodeChannel::parallelism() is 2 here, so the pairwise
+  // reduce-scatter reduces its chunks on the pool while the next ones come
+  // in (on 2-3 threads it reduces them inline).
+  Cluster cl(3, {"workers.threads=4", "collectives.direct_max_bytes=0", "tcp.chunk_bytes=4KiB",
+                 "log.level=debug"});
+  run_layout(cl, {0, 1, 2, 2}, 4099 * 8 * 8 + 256, [](RankCtx& c) {
+    run_matrix(c);
+    return 0;
+  });
+  for (const auto& node : cl.nodes) {
+    CHECK(node.daemon->log().find("parallel_passes=2") != std::string::npos);
+  }
+}
+
 TEST_CASE("large operations take the ring and chain paths and stay correct") {
   Cluster cl(3, {"collectives.direct_max_bytes=4KiB", "tcp.chunk_bytes=64KiB"});
   run_layout(cl, {0, 1, 2, 1}, (1 << 20) * 4 * 4 + 4096, [](RankCtx& c) {
