@@ -611,6 +611,9 @@ struct Engine::Impl {
   /// Whether `size` more bytes for `in` would pass memory.max_unreceived_bytes;
   /// if so, breaks its communicator (or marks the unclaimed inbox broken),
   /// naming `what` and the sending node, and drops what it held.
+  /// Whether `size` more bytes would pass memory.max_unreceived_bytes (cheap;
+  /// over_unreceived_limit then acts on it).
+  bool unreceived_over(std::uint64_t size) const;
   bool over_unreceived_limit(const std::string& uid, Inbox& in, const std::shared_ptr<Comm>& cp,
                              std::uint64_t size, const std::string& what, const std::string& from,
                              std::vector<Delivery>& out);

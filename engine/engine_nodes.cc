@@ -1184,6 +1184,14 @@ void Engine::Impl::start_remote_item(const std::shared_ptr<Comm>& cp,
 
 // ---- what arrives from other nodes -------------------------------------------------------
 
+bool Engine::Impl::unreceived_over(std::uint64_t size) const {
+  const std::uint64_t limit = options.max_unreceived_bytes;
+  if (limit == 0) return false;
+  std::uint64_t held = 0;
+  for (const auto& [_, ref] : inboxes) held += ref.first ? ref.first->bytes : 0;
+  return held + size > limit;
+}
+
 bool Engine::Impl::over_unreceived_limit(const std::string& uid, Inbox& in,
                                          const std::shared_ptr<Comm>& cp, std::uint64_t size,
                                          const std::string& what, const std::string& from,
@@ -1356,7 +1364,10 @@ void Engine::Impl::handle_node_message(const std::string& peer, MessageBytes byt
       item.payload.offset = d->raw_offset;
       item.payload.size = d->bytes.size() - d->raw_offset;
       item.payload.storage = std::move(d->bytes);
-      if (over_unreceived_limit(uid, in, cp, item.payload.storage.size(),
+      // The texts are made only where the limit is passed (every data
+      // message comes here).
+      if (unreceived_over(item.payload.storage.size()) &&
+          over_unreceived_limit(uid, in, cp, item.payload.storage.size(),
                                 p2p ? "a send from rank " + std::to_string(from_rank) + " to rank " +
                                           std::to_string(to_rank)
                                     : "data of operation " + std::to_string(seq),
