@@ -246,23 +246,7 @@ class EngineChannel final : public NodeChannel {
   void compute(const std::function<void()>& work) override {
     // On the worker pool; this fiber yields the event loop meanwhile. The
     // fiber waits for the task whatever happens (`work` lives on its stack).
-    struct State {
-      std::atomic<bool> done{false};
-      std::exception_ptr error;
-    };
-    auto st = std::make_shared<State>();
-    std::weak_ptr<Executor> wex = comm_->exec;
-    I_.pool.submit([st, &work, wex] {
-      try {
-        work();
-      } catch (...) {
-        st->error = std::current_exception();
-      }
-      st->done.store(true, std::memory_order_release);
-      if (auto ex = wex.lock()) Executor::wake(ex);
-    });
-    while (!st->done.load(std::memory_order_acquire)) Executor::wait(*comm_->exec);
-    if (st->error) std::rethrow_exception(st->error);
+    compute_wait(compute_async([&work] { work(); }));
   }
 
   int parallelism() const override {

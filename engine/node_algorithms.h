@@ -106,8 +106,11 @@ class NodeChannel {
   /// network straight into `dest`, and recv() returns a payload whose data()
   /// is dest.data() (nothing left to copy). Only an offer: a message that
   /// arrived already, or one the transport does not place, comes as usual.
-  /// The operation leaves `dest` alone until that recv() returns; the
-  /// channel waits for any write into it to end before the operation does.
+  /// The operation does not write `dest` until that recv() returns, and reads
+  /// it meanwhile (sends from it) only where the message is the receiver's
+  /// answer to those very bytes, so that it cannot arrive before they were
+  /// read; the channel waits for any write into it to end before the
+  /// operation does.
   virtual void post(int from, std::uint64_t tag, std::span<std::byte> dest) {
     (void)from, (void)tag, (void)dest;
   }
