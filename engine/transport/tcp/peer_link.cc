@@ -961,8 +961,7 @@ void PeerLink::on_data(PeerStream& stream, peerwire::DataChunk::Reader chunk) {
   const std::uint64_t raw = chunk.getRaw();
   const auto head = chunk.getHead();
   const std::uint64_t hb = head.size();
-  // Only for errors: built on every chunk, it cost a few percent of a small
-  // operation's CPU.
+  // For the errors below only (made lazily: this runs for every chunk).
   const auto where = [channel, seq] {
     return " (channel " + std::to_string(channel) + ", message " + std::to_string(seq) + ")";
   };
