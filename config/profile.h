@@ -78,7 +78,7 @@ struct WorkerSection {
   std::uint32_t threads = 0;  ///< 0 = one per online CPU
   /// How long the event loop keeps polling (sched_yield between polls) after
   /// its last handler before it sleeps in epoll; 0 = sleep at once.
-  std::chrono::microseconds event_loop_spin{0};
+  std::chrono::microseconds event_loop_spin{100};
 };
 
 struct MemorySection {

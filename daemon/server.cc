@@ -225,7 +225,6 @@ void Server::run_event_loop() {
       busy_at = Clock::now();
       continue;
     }
-    if (io_.stopped()) break;
     if (Clock::now() - busy_at < profile_.workers.event_loop_spin) {
       sched_yield();
       continue;

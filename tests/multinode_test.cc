@@ -25,6 +25,12 @@ namespace {
 
 // Cluster, run_layout, all_reduce_wait, sum_check: tests/support/nodes.h.
 
+int count_of(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
 std::uint32_t connections_to(const Node& from, const Node& to) {
   auto c = client_of(from);
   auto row = peer_row(*c, to.address());
@@ -122,25 +128,11 @@ TEST_CASE("large pairwise and chain operations: chunks received straight into th
       }
       return 0;
     });
-    for (const auto& node : cl.nodes) {
-      const std::string log = node.daemon->log();
-      for (auto at = log.find("event=node_receive_placed"); at != std::string::npos;
-           at = log.find("event=node_receive_placed", at + 1)) {
-        ++placed;
-      }
-    }
+    for (const auto& node : cl.nodes) placed += count_of(node.daemon->log(), "event=node_receive_placed");
   }
   MESSAGE("chunks received in place: " << placed);
   CHECK(placed > 0);
 }
-
-namespace {
-int count_of(const std::string& text, const std::string& what) {
-  int n = 0;
-  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
-  return n;
-}
-}  // namespace
 
 TEST_CASE("a node that runs ahead waits until the receiver is ready: every chunk of a broadcast "
           "chain and of a pairwise all-gather is received straight into place") {

@@ -216,8 +216,9 @@ class CudaDriver {
   int driver_version_ = 0;
 };
 
-/// A GPU's UUID as nvidia-smi and CUDA_VISIBLE_DEVICES write it:
-/// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx". `bytes`: the 16 bytes of cu::Uuid.
+/// A GPU's UUID as nvidia-smi and CUDA_VISIBLE_DEVICES write it, "GPU-" and
+/// 32 hex digits grouped 8-4-4-4-12, e.g. "GPU-eb896ada-3489-2700-9f63-edaa9adbb28a".
+/// `bytes`: the 16 bytes of cu::Uuid.
 std::string uuid_text(const void* bytes);
 
 /// Pushes `ctx` as the calling thread's current context for a scope.
