@@ -20,7 +20,7 @@ using gpu::uuid_text;
 
 namespace {
 
-constexpr std::uint32_t kBlobMagic = 0x43444b31;  // "CDK1"
+constexpr std::uint32_t kBlobMagic = 0x43444b32;  // "CDK2"
 // Flag words first, then the data: the layout does not depend on the slot size.
 constexpr std::uint64_t kFlagBytes = direct::flag_words * 8;
 constexpr std::uint64_t kDataAt = (kFlagBytes + 255) / 256 * 256;
@@ -37,7 +37,9 @@ struct Blob {
   char node[64];
   char uuid[16];
   unsigned char handle[cu::kIpcHandleSize];  // cuIpcGetMemHandle of the scratch
-  char reason[176];                          // why not (want == 0)
+  std::uint64_t two_step_bytes;               // gpu.two_step_bytes (0: never)
+  std::uint32_t two_step_min_ranks;           // gpu.two_step_min_gpus
+  char reason[164];                          // why not (want == 0)
 };
 static_assert(sizeof(Blob) == 344);
 
@@ -81,10 +83,17 @@ std::vector<Blob> join(collective_comm_t* comm, std::uint32_t round, const Blob&
 }
 
 /// The decision of step 1, the same on every rank: empty `why` where every
-/// rank can run the kernels. Returns the slot size they agree on.
-std::uint64_t decide(std::vector<Blob>& all, std::string& why) {
+/// rank can run the kernels. Returns the slot size they agree on, and in
+/// `two_step` the bytes per rank from which all-reduce and broadcast take two
+/// steps (UINT64_MAX: never; the largest any rank's daemon asks for).
+std::uint64_t decide(std::vector<Blob>& all, std::string& why, std::uint64_t& two_step) {
   const int n = static_cast<int>(all.size());
   std::uint64_t slot = UINT64_MAX;
+  two_step = 0;
+  for (const Blob& b : all) {
+    const bool never = b.two_step_bytes == 0 || static_cast<std::uint64_t>(n) < b.two_step_min_ranks;
+    two_step = std::max(two_step, never ? UINT64_MAX : b.two_step_bytes);
+  }
   for (int r = 0; r < n && why.empty(); ++r) {
     Blob& b = all[static_cast<std::size_t>(r)];
     b.reason[sizeof b.reason - 1] = '\0';
@@ -242,6 +251,8 @@ std::unique_ptr<DirectComm> DirectComm::setup(collective_comm_t* comm,
   mine.magic = kBlobMagic;
   mine.pid = static_cast<std::uint32_t>(::getpid());
   mine.max_bytes = (policy.max_bytes + 255) / 256 * 256;
+  mine.two_step_bytes = policy.two_step_bytes;
+  mine.two_step_min_ranks = static_cast<std::uint32_t>(policy.two_step_min_ranks);
   copy_text(mine.node, sizeof mine.node, node.c_str());
   cu::Device dev = 0;
   cu.check(cu.cuCtxGetDevice(&dev), "cuCtxGetDevice");
@@ -261,7 +272,8 @@ std::unique_ptr<DirectComm> DirectComm::setup(collective_comm_t* comm,
   copy_text(mine.reason, sizeof mine.reason, no.c_str());
   std::vector<Blob> all = join(comm, 1, mine, why);
   if (!why.empty()) return nullptr;
-  const std::uint64_t slot = decide(all, why);
+  std::uint64_t two_step = UINT64_MAX;
+  const std::uint64_t slot = decide(all, why, two_step);
   if (!why.empty()) return nullptr;
   for (int r = 0; r < n; ++r) {
     const Blob& b = all[static_cast<std::size_t>(r)];
@@ -346,9 +358,13 @@ std::unique_ptr<DirectComm> DirectComm::setup(collective_comm_t* comm,
     return nullptr;
   }
   d->slot_bytes_ = slot;
+  d->two_step_bytes_ = two_step;
   d->description_ = "client kernels: " + std::to_string(n) + " ranks on " + std::to_string(n) +
                     " GPUs of node " + std::string(all[0].node) + ", up to " +
-                    std::to_string(slot) + " bytes per rank";
+                    std::to_string(slot) + " bytes per rank" +
+                    (two_step == UINT64_MAX ? std::string()
+                                            : ", all-reduce and broadcast in two steps from " +
+                                                  std::to_string(two_step) + " bytes");
   return d;
 }
 
@@ -387,6 +403,7 @@ std::unique_ptr<LocalCompletion> DirectComm::run(direct::Kind kind, const void* 
   a.timeout_ns = static_cast<unsigned long long>(s.timeout.count()) * 1000000ull;
   a.count = count;
   a.slot_bytes = slot_bytes_;
+  a.two_step_bytes = two_step_bytes_;
   a.kind = kind;
   a.dtype = dtype;
   a.redop = redop;

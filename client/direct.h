@@ -34,6 +34,8 @@ struct DirectPolicy {
   bool allowed = false;
   std::string reason;
   std::uint64_t max_bytes = 0;  ///< largest rank buffer the kernels take
+  int two_step_min_ranks = 3;       ///< gpu.two_step_min_gpus (one GPU per rank)
+  std::uint64_t two_step_bytes = 0;  ///< gpu.two_step_bytes; 0 = never
 };
 
 /// direct_kernels.cu built for the GPU architectures of the build; empty
@@ -88,6 +90,7 @@ class DirectComm {
   std::mutex mu_;
   int rank_ = 0, nranks_ = 0;
   std::uint64_t slot_bytes_ = 0;
+  std::uint64_t two_step_bytes_ = UINT64_MAX;  ///< direct::Args::two_step_bytes
   std::uint64_t seq_ = 0;
   std::string description_;
   gpu::cu::Stream last_stream_ = nullptr;

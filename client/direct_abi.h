@@ -9,13 +9,27 @@
 //   flags: 2 slots x kMaxRanks sources x kMaxBlocks 64-bit words
 //
 // Operation `seq` uses slot seq % 2. Block b of rank r copies its part of
-// what rank p needs into p's region (slot, source r), then stores seq into
-// p's flag (slot, r, b); it then waits until every peer p has stored seq into
-// its own flag (slot, p, b) and finishes its part from its own scratch. Two
+// what rank p needs into p's region (slot, source r), then stores
+// phase_value(seq, 0) into p's flag (slot, r, b); it then waits until every
+// peer p has stored that into its own flag (slot, p, b) and finishes its part
+// from its own scratch. Two
 // slots make reuse safe: a rank writes slot s for operation k + 2 only after
 // it saw every peer's flags of operation k + 1, which each peer stores after
 // its kernel of operation k has ended (one kernel at a time per rank, in
 // order: client/direct.cc chains them).
+//
+// Two steps (all-reduce and broadcast of at least Args::two_step_bytes per
+// rank; the host sets it from gpu.two_step_bytes where the communicator has
+// gpu.two_step_min_gpus ranks or more, the same on every rank): the bytes are cut into nranks chunks, chunk q being
+// rank q's. Step 1 moves chunk p to rank p (all-reduce: every rank pushes
+// its input's chunk p; broadcast: the root pushes chunk p) and exchanges the
+// flags with phase_value(seq, 0); rank q then reduces (all-reduce) its chunk
+// and pushes it to every other rank (broadcast: to every other non-root
+// rank), and the flags are exchanged again with phase_value(seq, 1). A rank's
+// egress is 2 (n - 1) / n of the bytes where the one-step push sends n - 1
+// times the bytes: 4 GPUs, 1.5 against 3. Every chunk sits at its own offset
+// in a region (chunk q at q x chunk bytes), so the two steps never write the
+// same bytes of a region.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +61,9 @@ struct Args {
   unsigned long long timeout_ns;  ///< how long a block waits for a peer (deadlines.operation_ms)
   unsigned long long count;       ///< elements of one rank's block
   unsigned long long slot_bytes;  ///< bytes of one (slot, source) region; a multiple of 256
+  /// all-reduce and broadcast of this many bytes per rank or more take two
+  /// steps (above); ~0 = never
+  unsigned long long two_step_bytes;
   int kind;                       ///< Kind
   int dtype;                      ///< engine/gpu/kernels.h DType
   int redop;                      ///< engine/gpu/kernels.h RedOp
@@ -54,6 +71,30 @@ struct Args {
   int nranks;
   int root;
 };
+
+/// Whether an operation of `bytes` per rank takes two steps (above): the
+/// second flag exchange costs a few microseconds, the one-step push n - 1
+/// times the bytes over the sender's NVLink. A function of arguments that
+/// are the same on every rank, so every rank decides the same.
+COLLECTIVED_HD inline constexpr bool two_step(int kind, std::uint64_t bytes, std::uint64_t two_step_bytes) {
+  return (kind == kAllReduce || kind == kBroadcast) && bytes >= two_step_bytes;
+}
+
+/// The value a block stores into its peers' flags in step `phase` (0 or 1)
+/// of operation `seq`: it grows with every step of every operation, and a
+/// wait for a value is passed by any later one.
+COLLECTIVED_HD inline constexpr std::uint64_t phase_value(std::uint64_t seq, int phase) {
+  return 2 * seq + static_cast<std::uint64_t>(phase);
+}
+
+/// Units of one two-step chunk: `total` units cut into `parts` chunks,
+/// rounded up to a multiple of `align` units (so that chunks start on 256
+/// bytes). The last chunks may be shorter, or empty.
+COLLECTIVED_HD inline constexpr std::uint64_t chunk_units(std::uint64_t total, int parts,
+                                                          std::uint64_t align) {
+  const std::uint64_t per = (total + static_cast<std::uint64_t>(parts) - 1) / static_cast<std::uint64_t>(parts);
+  return (per + align - 1) / align * align;
+}
 
 /// Index of flag (slot, source, block) in a rank's flag words.
 COLLECTIVED_HD inline constexpr std::uint64_t flag_index(int slot, int source, int block) {

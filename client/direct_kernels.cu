@@ -80,14 +80,18 @@ __device__ void copy_part(const char* src, char* const* dst, int ndst, u64 lo, u
   }
 }
 
-/// dst[i] = op(src[0][i], ..., src[n-1][i]) for i in [lo, hi) (lo a multiple
-/// of 16 bytes' worth of elements).
+/// dst[d][i] = op(src[0][i], ..., src[n-1][i]) for i in [lo, hi) and every
+/// d < ndst (lo a multiple of 16 bytes' worth of elements). Every source
+/// element is read before its destinations are written (in place is fine).
 template <typename T, RedOp O>
-__device__ void reduce_part(const T* const* src, int n, T* dst, u64 lo, u64 hi, unsigned divisor) {
+__device__ void reduce_part(const T* const* src, int n, T* const* dst, int ndst, u64 lo, u64 hi,
+                            unsigned divisor) {
   using Acc = typename Traits<T>::Acc;
   constexpr int V = 16 / sizeof(T);
   using P = Pack<T, V>;
-  bool vec = aligned16(dst);
+  if (hi <= lo) return;
+  bool vec = true;
+  for (int d = 0; d < ndst; ++d) vec = vec && aligned16(dst[d]);
   for (int s = 0; s < n; ++s) vec = vec && aligned16(src[s]);
   u64 done = lo;
   if (vec) {
@@ -108,21 +112,23 @@ __device__ void reduce_part(const T* const* src, int n, T* dst, u64 lo, u64 hi, 
       P out;
 #pragma unroll
       for (int j = 0; j < V; ++j) out.v[j] = finish<T, O>(acc[j], divisor);
-      reinterpret_cast<P*>(dst)[i] = out;
+      for (int d = 0; d < ndst; ++d) reinterpret_cast<P*>(dst[d])[i] = out;
     }
     done = lo + packs * V;
   }
   for (u64 i = done + threadIdx.x; i < hi; i += blockDim.x) {
     Acc acc = Traits<T>::load(src[0][i]);
     for (int s = 1; s < n; ++s) acc = combine<T, O>(acc, Traits<T>::load(src[s][i]));
-    dst[i] = finish<T, O>(acc, divisor);
+    const T out = finish<T, O>(acc, divisor);
+    for (int d = 0; d < ndst; ++d) dst[d][i] = out;
   }
 }
 
-/// Tells every peer this block's pushes are in its memory, and waits until
-/// every peer said the same. False when a peer did not arrive in time (the
-/// first such wait records which one in *a.error).
-__device__ bool exchange_flags(const Args& a, int slot) {
+/// Tells every peer this block's pushes are in its memory (stores `value`
+/// into the peer's flag), and waits until every peer stored at least `value`
+/// into ours. False when a peer did not arrive in time (the first such wait
+/// records which one in *a.error). Values: phase_value(seq, phase).
+__device__ bool exchange_flags(const Args& a, int slot, u64 value) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();  // every store of this block's pushes is issued
@@ -131,11 +137,11 @@ __device__ bool exchange_flags(const Args& a, int slot) {
     // Orders the block's stores to p's memory before the flag (the barrier
     // above made them this thread's to order, cumulatively).
     __threadfence_system();
-    store_release(a.flags[p] + flag_index(slot, a.rank, static_cast<int>(blockIdx.x)), a.seq);
+    store_release(a.flags[p] + flag_index(slot, a.rank, static_cast<int>(blockIdx.x)), value);
     const u64* mine = a.flags[a.rank] + flag_index(slot, p, static_cast<int>(blockIdx.x));
     const u64 start = now_ns();
     unsigned spins = 0;
-    while (load_acquire(mine) < a.seq) {
+    while (load_acquire(mine) < value) {
       if ((++spins & 1023) == 0 && now_ns() - start > a.timeout_ns) {
         volatile u64* err = a.error;
         if (*err == 0) *err = (a.seq << 8) | static_cast<u64>(p + 1);
@@ -171,25 +177,135 @@ __device__ void reducing(const Args& a, int slot) {
       copy_part(send + static_cast<u64>(p) * a.count * es, &dst, 1, r.lo * es, r.hi * es);
     }
   }
-  if (!exchange_flags(a, slot)) return;
+  if (!exchange_flags(a, slot, phase_value(a.seq, 0))) return;
   const T* src[kMaxRanks];
   for (int q = 0; q < a.nranks; ++q) {
     src[q] = q == a.rank
                  ? reinterpret_cast<const T*>(send + (a.kind == kAllReduce ? 0 : static_cast<u64>(q) * a.count * es))
                  : reinterpret_cast<const T*>(region(a, a.rank, slot, q));
   }
-  reduce_part<T, O>(src, a.nranks, static_cast<T*>(a.recv), r.lo, r.hi,
-                    static_cast<unsigned>(a.nranks));
+  T* dst = static_cast<T*>(a.recv);
+  reduce_part<T, O>(src, a.nranks, &dst, 1, r.lo, r.hi, static_cast<unsigned>(a.nranks));
+}
+
+/// Bytes [lo, hi) of a chunk that holds `len` bytes, clamped.
+__device__ __forceinline__ Range clamp(Range r, u64 len) { return Range{min(r.lo, len), min(r.hi, len)}; }
+
+/// Length of chunk q (chunk_units each) of `total` units.
+__device__ __forceinline__ u64 chunk_len(u64 total, u64 per, int q) {
+  const u64 at = static_cast<u64>(q) * per;
+  return at >= total ? 0 : min(per, total - at);
+}
+
+/// Two-step all-reduce (direct_abi.h): chunk p of every input goes to rank p,
+/// which reduces it (sources in rank order, as everywhere) into its own
+/// output and every peer's region; each rank then copies the other chunks
+/// from its scratch into its output. Block b takes the same part of every
+/// chunk in both steps, so in place its reads of a chunk precede its writes.
+template <typename T, RedOp O>
+__device__ void all_reduce_two_step(const Args& a, int slot) {
+  constexpr u64 es = sizeof(T);
+  const u64 per = chunk_units(a.count, a.nranks, kPartBytes / es);
+  const Range r = part(per, kPartBytes / es);
+  const char* send = static_cast<const char*>(a.send);
+  char* recv = static_cast<char*>(a.recv);
+  for (int p = 0; p < a.nranks; ++p) {
+    if (p == a.rank) continue;
+    const u64 at = static_cast<u64>(p) * per * es;
+    const Range c = clamp(r, chunk_len(a.count, per, p));
+    char* dst = region(a, p, slot, a.rank) + at;
+    copy_part(send + at, &dst, 1, c.lo * es, c.hi * es);
+  }
+  if (!exchange_flags(a, slot, phase_value(a.seq, 0))) return;
+  {
+    const u64 at = static_cast<u64>(a.rank) * per * es;
+    const Range c = clamp(r, chunk_len(a.count, per, a.rank));
+    const T* src[kMaxRanks];
+    for (int q = 0; q < a.nranks; ++q) {
+      src[q] = reinterpret_cast<const T*>(q == a.rank ? send + at : region(a, a.rank, slot, q) + at);
+    }
+    T* dst[kMaxRanks];
+    int nd = 0;
+    dst[nd++] = reinterpret_cast<T*>(recv + at);
+    for (int p = 0; p < a.nranks; ++p) {
+      if (p != a.rank) dst[nd++] = reinterpret_cast<T*>(region(a, p, slot, a.rank) + at);
+    }
+    reduce_part<T, O>(src, a.nranks, dst, nd, c.lo, c.hi, static_cast<unsigned>(a.nranks));
+  }
+  if (!exchange_flags(a, slot, phase_value(a.seq, 1))) return;
+  for (int q = 0; q < a.nranks; ++q) {
+    if (q == a.rank) continue;
+    const u64 at = static_cast<u64>(q) * per * es;
+    const Range c = clamp(r, chunk_len(a.count, per, q));
+    char* dst = recv + at;
+    copy_part(region(a, a.rank, slot, q) + at, &dst, 1, c.lo * es, c.hi * es);
+  }
+}
+
+/// Two-step broadcast (direct_abi.h): the root pushes chunk p to rank p; then
+/// every rank pushes its chunk (the root its own, from its input) to every
+/// other non-root rank, and each non-root rank copies the chunks into its
+/// output. The root's links carry 2 (n - 1) / n of the bytes, not n - 1
+/// times them.
+__device__ void broadcast_two_step(const Args& a, int slot, u64 es) {
+  const u64 bytes = a.count * es;
+  const u64 per = chunk_units(bytes, a.nranks, kPartBytes);
+  const Range r = part(per, kPartBytes);
+  const char* send = static_cast<const char*>(a.send);
+  char* recv = static_cast<char*>(a.recv);
+  const bool root = a.rank == a.root;
+  if (root) {
+    for (int p = 0; p < a.nranks; ++p) {
+      const u64 at = static_cast<u64>(p) * per;
+      const Range c = clamp(r, chunk_len(bytes, per, p));
+      char* dst[2];
+      int nd = 0;
+      if (p != a.rank) dst[nd++] = region(a, p, slot, a.rank) + at;
+      if (recv != send) dst[nd++] = recv + at;  // out of place: the root's own output
+      copy_part(send + at, dst, nd, c.lo, c.hi);
+    }
+  }
+  if (!exchange_flags(a, slot, phase_value(a.seq, 0))) return;
+  {
+    const u64 at = static_cast<u64>(a.rank) * per;
+    const Range c = clamp(r, chunk_len(bytes, per, a.rank));
+    const char* src = root ? send + at : region(a, a.rank, slot, a.root) + at;
+    char* dst[kMaxRanks];
+    int nd = 0;
+    if (!root) dst[nd++] = recv + at;
+    for (int p = 0; p < a.nranks; ++p) {
+      if (p != a.rank && p != a.root) dst[nd++] = region(a, p, slot, a.rank) + at;
+    }
+    copy_part(src, dst, nd, c.lo, c.hi);
+  }
+  if (!exchange_flags(a, slot, phase_value(a.seq, 1))) return;
+  if (root) return;
+  for (int q = 0; q < a.nranks; ++q) {
+    if (q == a.rank) continue;
+    const u64 at = static_cast<u64>(q) * per;
+    const Range c = clamp(r, chunk_len(bytes, per, q));
+    char* dst = recv + at;
+    copy_part(region(a, a.rank, slot, q) + at, &dst, 1, c.lo, c.hi);
+  }
+}
+
+template <typename T, RedOp O>
+__device__ void reducing_or_two_step(const Args& a, int slot) {
+  if (two_step(a.kind, a.count * sizeof(T), a.two_step_bytes)) {
+    all_reduce_two_step<T, O>(a, slot);
+  } else {
+    reducing<T, O>(a, slot);
+  }
 }
 
 template <typename T>
 __device__ void reducing_op(const Args& a, int slot) {
   switch (static_cast<RedOp>(a.redop)) {
-    case RedOp::sum: return reducing<T, RedOp::sum>(a, slot);
-    case RedOp::prod: return reducing<T, RedOp::prod>(a, slot);
-    case RedOp::min: return reducing<T, RedOp::min>(a, slot);
-    case RedOp::max: return reducing<T, RedOp::max>(a, slot);
-    case RedOp::avg: return reducing<T, RedOp::avg>(a, slot);
+    case RedOp::sum: return reducing_or_two_step<T, RedOp::sum>(a, slot);
+    case RedOp::prod: return reducing_or_two_step<T, RedOp::prod>(a, slot);
+    case RedOp::min: return reducing_or_two_step<T, RedOp::min>(a, slot);
+    case RedOp::max: return reducing_or_two_step<T, RedOp::max>(a, slot);
+    case RedOp::avg: return reducing_or_two_step<T, RedOp::avg>(a, slot);
   }
 }
 
@@ -210,7 +326,7 @@ __device__ void copying(const Args& a, int slot, u64 es) {
     if (own != send) dst[nd++] = own;  // in place: already there
     copy_part(send, dst, nd, r.lo, r.hi);
   }
-  if (!exchange_flags(a, slot)) return;
+  if (!exchange_flags(a, slot, phase_value(a.seq, 0))) return;
   for (int q = 0; q < a.nranks; ++q) {
     if (q == a.rank || (a.kind == kBroadcast && q != a.root)) continue;
     char* dst = recv + (a.kind == kAllGather ? static_cast<u64>(q) * bytes : 0);
@@ -241,7 +357,12 @@ using namespace collectived::client::direct;
 extern "C" __global__ void __launch_bounds__(kThreads) collectived_direct(Args a) {
   const int slot = static_cast<int>(a.seq % kSlots);
   if (a.kind == kAllGather || a.kind == kBroadcast) {
-    copying(a, slot, dtype_size(a.dtype));
+    const u64 es = dtype_size(a.dtype);
+    if (two_step(a.kind, a.count * es, a.two_step_bytes)) {
+      broadcast_two_step(a, slot, es);
+    } else {
+      copying(a, slot, es);
+    }
     return;
   }
   switch (static_cast<DType>(a.dtype)) {

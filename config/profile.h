@@ -145,6 +145,14 @@ struct GpuSection {
   /// Largest rank buffer (bytes) those kernels take; larger operations go to
   /// the daemon. Each rank holds 2 x ranks x this in GPU scratch.
   std::uint64_t client_kernel_max_bytes = 16 * 1024 * 1024;
+  /// All-reduce and broadcast over at least this many GPUs take two steps
+  /// (each GPU's links carry 2 (n - 1) / n of the bytes instead of n - 1
+  /// times them): the client's kernels from two_step_bytes per rank, the
+  /// daemon's broadcast wherever it splits the work over the GPUs.
+  int two_step_min_gpus = 3;
+  /// Bytes per rank from which the client's kernels take two steps (with at
+  /// least two_step_min_gpus ranks); 0 = never.
+  std::uint64_t two_step_bytes = 512 * 1024;
 };
 
 struct MetricsSection {

@@ -107,7 +107,8 @@ Server::Server(config::Profile profile, ProfileSource source, engine::Logger& lo
       registry_(registry_limits(profile_)),
       engine_(engine_options(profile_, &metrics_), registry_, log_),
       gpu_(engine::gpu::make_gpu_executor(log_, engine::gpu::GpuOptions{profile_.gpu.mps, profile_.gpu.stage_chunk_bytes,
-                                                                     profile_.gpu.copy_engine_min_bytes})),
+                                                                     profile_.gpu.copy_engine_min_bytes,
+                                                                     profile_.gpu.two_step_min_gpus})),
       // An idle poller keeps polling this long before it sleeps: a little
       // longer than a small collective's round trip through the clients.
       ring_poller_(std::chrono::microseconds(200)),

@@ -126,6 +126,8 @@ void ClientSession::handle_attach_gpu(std::uint64_t id, wire::AttachGpu::Reader 
   a.setClientKernels(on);
   a.setReason(why.c_str());
   a.setMaxBytes(g.client_kernel_max_bytes);
+  a.setTwoStepMinGpus(static_cast<std::uint32_t>(g.two_step_min_gpus));
+  a.setTwoStepBytes(g.two_step_bytes);
   send(ipc::encode_frame(b));
 }
 

@@ -401,6 +401,8 @@ struct AttachedGpu {
   clientKernels @0 :Bool;
   reason @1 :Text;
   maxBytes @2 :UInt64;      # gpu.client_kernel_max_bytes: largest rank buffer they take
+  twoStepMinGpus @3 :UInt32; # gpu.two_step_min_gpus (0 from an older daemon: 3)
+  twoStepBytes @4 :UInt64;   # gpu.two_step_bytes (0: never)
 }
 
 # The stream hand-off of one stream-ordered collective: the client recorded an

@@ -193,6 +193,9 @@ struct GpuOptions {
   /// profile gpu.copy_engine_min_bytes: copies between GPUs of at least this
   /// many bytes run on the copy engines (0: always a copy kernel).
   std::uint64_t copy_engine_min_bytes = 0;
+  /// profile gpu.two_step_min_gpus: a broadcast split over this many GPUs or
+  /// more takes two steps.
+  int two_step_min_gpus = 3;
 };
 std::unique_ptr<GpuExecutor> make_gpu_executor(Logger& log, const GpuOptions& options);
 

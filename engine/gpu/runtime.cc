@@ -400,7 +400,8 @@ class CudaExecutor final : public GpuExecutor {
   CudaExecutor(Logger& log, const GpuOptions& options)
       : log_(log),
         stage_chunk_bytes_(options.stage_chunk_bytes),
-        copy_engine_min_bytes_(options.copy_engine_min_bytes) {
+        copy_engine_min_bytes_(options.copy_engine_min_bytes),
+        two_step_min_gpus_(std::max(2, options.two_step_min_gpus)) {
     // Every kernel loaded when the context is made. With lazy loading (the
     // default since CUDA 12.2) the first launch of each kernel loads it, and
     // loading may synchronize the context: a launch enqueued behind a stream
@@ -692,10 +693,33 @@ class CudaExecutor final : public GpuExecutor {
       }
     }
     debug_sync(exec, stream_of, "waiting for the ranks' events");
-    // 2. The work, each executing GPU its share.
-    for (std::size_t i = 0; i < exec.size(); ++i) {
-      cudaSetDevice(exec[i]);
-      enqueue_work(op, rank_dev, exec, i, stream_of(exec[i]));
+    // 2. The work, each executing GPU its share. A broadcast split over
+    //    gpu.two_step_min_gpus GPUs or more takes two steps with every GPU waiting for the others in
+    //    between (enqueue_work's broadcast).
+    const bool two_steps =
+        op.kind == OpKind::broadcast && exec.size() >= static_cast<std::size_t>(two_step_min_gpus_);
+    for (int step = 0; step < (two_steps ? 2 : 1); ++step) {
+      if (step == 1) {
+        std::vector<cudaEvent_t> first(exec.size());
+        for (std::size_t i = 0; i < exec.size(); ++i) {
+          cudaSetDevice(exec[i]);
+          first[i] = take_event(exec[i]);
+          check_rt(cudaEventRecord(first[i], stream_of(exec[i])), "cudaEventRecord (first step)");
+        }
+        for (std::size_t i = 0; i < exec.size(); ++i) {
+          cudaSetDevice(exec[i]);
+          for (std::size_t j = 0; j < exec.size(); ++j) {
+            if (j != i) {
+              check_rt(cudaStreamWaitEvent(stream_of(exec[i]), first[j], 0),
+                       "cudaStreamWaitEvent (GPU " + std::to_string(exec[j]) + "'s first step)");
+            }
+          }
+        }
+      }
+      for (std::size_t i = 0; i < exec.size(); ++i) {
+        cudaSetDevice(exec[i]);
+        enqueue_work(op, rank_dev, exec, i, stream_of(exec[i]), two_steps ? step : -1);
+      }
     }
     debug_sync(exec, stream_of, "the kernels");
     // 3. Join on the lead, release every rank's stream, and let the other
@@ -1137,9 +1161,10 @@ class CudaExecutor final : public GpuExecutor {
     return m;
   }
 
-  /// Enqueues executing GPU exec[i]'s share of `op` on `stream`.
+  /// Enqueues executing GPU exec[i]'s share of `op` on `stream`; of step
+  /// `step` (0 or 1) where the operation takes two (run()), else -1.
   void enqueue_work(const GpuCollective& op, const std::vector<int>& rank_dev,
-                    const std::vector<int>& exec, std::size_t i, cudaStream_t stream) {
+                    const std::vector<int>& exec, std::size_t i, cudaStream_t stream, int step) {
     const int n = static_cast<int>(op.send.size());
     const int dev = exec[i];
     const int blocks = devices_[dev].sms * 4;
@@ -1247,6 +1272,10 @@ class CudaExecutor final : public GpuExecutor {
         }
         break;
       case OpKind::broadcast: {
+        if (step >= 0) {
+          broadcast_step(op, rank_dev, exec, i, send, recv, step, blocks, stream);
+          return;
+        }
         // Two GPUs, split, large, and nothing to copy inside the root's GPU
         // (in place at the root, as PyTorch's broadcast is): the other GPU
         // pulls the first half of the root's bytes and the root's GPU pushes
@@ -1353,6 +1382,80 @@ class CudaExecutor final : public GpuExecutor {
       }
       c.bytes = one;
       check_rt(kernels::launch_copy(c, blocks, stream), "copy kernel");
+    }
+  }
+
+  /// One step of a broadcast split over k >= 3 GPUs. The root's bytes are cut
+  /// into k chunks, chunk c for GPU exec[c]. Step 0: every other GPU pulls its
+  /// chunk from the root into its first rank's output (a copy engine).
+  /// Step 1, after every GPU's step 0: each GPU's ranks read every chunk from
+  /// where it now lies (the root's input, or the first rank's output of that
+  /// chunk's GPU), with one copy kernel reading several GPUs at once. The
+  /// root GPU's links carry 2 (k - 1) / k of the bytes where every GPU pulling
+  /// the whole buffer from the root made them carry k - 1 times the bytes
+  /// (4 H200: 125 GB/s busbw against NCCL's 338, docs/gpu.md eleventh run).
+  void broadcast_step(const GpuCollective& op, const std::vector<int>& rank_dev,
+                      const std::vector<int>& exec, std::size_t i, const std::vector<std::byte*>& send,
+                      const std::vector<std::byte*>& recv, int step, int blocks, cudaStream_t stream) {
+    const int n = static_cast<int>(op.send.size());
+    const int dev = exec[i];
+    const int root_dev = rank_dev[op.root];
+    const std::uint64_t one = op.count * dtype_size(op.dtype);
+    const std::uint64_t k = exec.size();
+    // Page multiples: every chunk starts 16-byte aligned for the copy kernel.
+    const std::uint64_t per = ((one + k - 1) / k + 4095) & ~std::uint64_t{4095};
+    auto len = [&](std::size_t c) -> std::uint64_t {
+      const std::uint64_t at = c * per;
+      return at >= one ? 0 : std::min(per, one - at);
+    };
+    auto first_rank = [&](int d) {
+      for (int r = 0; r < n; ++r) {
+        if (rank_dev[r] == d) return r;
+      }
+      throw Error(Code::internal, "broadcast: no rank on GPU " + std::to_string(d));
+    };
+    if (step == 0) {
+      if (dev != root_dev && len(i) != 0) {
+        const int r = first_rank(dev);
+        check_rt(cudaMemcpyAsync(recv[r] + i * per, send[op.root] + i * per, len(i), cudaMemcpyDefault, stream),
+                 "cudaMemcpyAsync (broadcast, chunk " + std::to_string(i) + " from the root's GPU)");
+      }
+      return;
+    }
+    struct Part {
+      const std::byte* src;
+      std::byte* dst;
+      std::uint64_t bytes;
+    };
+    std::vector<Part> parts;
+    for (int r = 0; r < n; ++r) {
+      if (rank_dev[r] != dev) continue;
+      if (dev == root_dev) {
+        if (recv[r] != send[op.root]) parts.push_back({send[op.root], recv[r], one});
+        continue;
+      }
+      for (std::size_t c = 0; c < k; ++c) {
+        if (len(c) == 0 || (c == i && r == first_rank(dev))) continue;
+        const std::byte* from = exec[c] == root_dev ? send[op.root] : recv[first_rank(exec[c])];
+        parts.push_back({from + c * per, recv[r] + c * per, len(c)});
+      }
+    }
+    // One copy kernel per length (the last chunk may be shorter).
+    while (!parts.empty()) {
+      const std::uint64_t bytes = parts.front().bytes;
+      CopyLaunch c{};
+      c.bytes = bytes;
+      for (auto it = parts.begin(); it != parts.end();) {
+        if (it->bytes == bytes && c.n < kMaxKernelPointers) {
+          c.src[c.n] = it->src;
+          c.dst[c.n] = it->dst;
+          ++c.n;
+          it = parts.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      check_rt(kernels::launch_copy(c, blocks, stream), "copy kernel (broadcast, second step)");
     }
   }
 
@@ -1536,6 +1639,9 @@ class CudaExecutor final : public GpuExecutor {
   // copy engines (cudaMemcpyAsync over the peer mapping) instead of the copy
   // kernel; 0: always the kernel (profile gpu.copy_engine_min_bytes).
   const std::uint64_t copy_engine_min_bytes_;
+  // A broadcast split over this many GPUs or more takes two steps
+  // (broadcast_step; profile gpu.two_step_min_gpus).
+  const int two_step_min_gpus_;
   std::shared_ptr<CudaDriver> cu_;  // mappings hold it too: they may outlive the executor
   std::unique_ptr<MpsControl> mps_;
   mutable std::mutex mu_;

@@ -402,16 +402,19 @@ int chunked_body(GpuRank& g) {
   return wrong == 0 ? 0 : 1;
 }
 
-/// Runs the matrix; every rank then checks who ran its stream-ordered
-/// collectives (collective_comm_gpu_path) starts with `path`.
-void matrix(int gpus, std::vector<std::string> overrides = {}, std::string path = "") {
-  Daemon daemon(Daemon::Options{.overrides = std::move(overrides)});
-  with_ranks(daemon, 2, gpus, [&](GpuRank& g) {
+/// Runs the matrix with `nranks` ranks on `gpus` GPUs; every rank then
+/// checks who ran its stream-ordered collectives (collective_comm_gpu_path)
+/// starts with `path` and contains `also`.
+void matrix(int gpus, std::vector<std::string> overrides = {}, std::string path = "", int nranks = 2,
+            std::string also = "", std::map<std::string, std::string> env = {}) {
+  Daemon daemon(Daemon::Options{.overrides = std::move(overrides), .env = std::move(env)});
+  with_ranks(daemon, nranks, gpus, [&](GpuRank& g) {
     const int rc = matrix_body(g);
     const std::string got = collective_comm_gpu_path(g.comm);
     if (g.rank == 0) std::fprintf(stderr, "gpu path: %s\n", got.c_str());
-    if (got.rfind(path, 0) != 0) {
-      std::fprintf(stderr, "rank %d: gpu path \"%s\", expected \"%s...\"\n", g.rank, got.c_str(), path.c_str());
+    if (got.rfind(path, 0) != 0 || got.find(also) == std::string::npos) {
+      std::fprintf(stderr, "rank %d: gpu path \"%s\", expected \"%s...%s...\"\n", g.rank, got.c_str(),
+                   path.c_str(), also.c_str());
       return 5;
     }
     return rc;
@@ -497,6 +500,25 @@ TEST_CASE("gpu: the client's kernels and the daemon's in turns on one communicat
   // reduce and all-to-all always go to the daemon, on the same streams: their
   // order and the scratch slots' reuse across daemon operations are exercised.
   matrix(std::min(g_gpus, 2), {"gpu.client_kernel_max_bytes=1048576"}, two_gpu_path());
+}
+
+TEST_CASE("gpu: two steps: all-reduce and broadcast on the client's kernels and on the daemon, one rank per GPU, bit-exact") {
+  // gpu.two_step_min_gpus=2 and gpu.two_step_bytes=4096 put the matrix's
+  // 70001-element all-reduces and broadcasts (and the 1001-element ones of
+  // 8-byte types) on the client's two-step kernels; COLLECTIVED_GPU_ONE_SHOT_BYTES
+  // splits the daemon's work over the GPUs, so that its broadcasts above 4 KiB
+  // take two steps too. Every GPU of the machine up to 4, one rank each: with
+  // 3 GPUs the chunks are of different lengths.
+  if (g_gpus < 2) {
+    MESSAGE("skipped: needs 2 GPUs, this machine has " << g_gpus);
+    return;
+  }
+  const int n = std::min(g_gpus, 4);
+  const std::string all = std::to_string(n) + " ranks on " + std::to_string(n) + " GPUs";
+  matrix(n, {"gpu.two_step_min_gpus=2", "gpu.two_step_bytes=4096"}, "client kernels: " + all, n,
+         "two steps from 4096 bytes");
+  matrix(n, {"gpu.client_kernels=off", "gpu.two_step_min_gpus=2"}, "daemon: ", n, "",
+         {{"COLLECTIVED_GPU_ONE_SHOT_BYTES", "4096"}});
 }
 
 TEST_CASE("gpu: 2 ranks sharing one GPU") { matrix(1, {}, "daemon: ranks 0 and 1 share GPU-"); }
