@@ -86,13 +86,19 @@ class Algorithms {
         base_(base) {}
 
   int mod(long x) const { return static_cast<int>(((x % n_) + n_) % n_); }
-  std::uint64_t chunks(std::uint64_t bytes) const { return (bytes + chunk_ - 1) / chunk_; }
+  /// The chunk of a transfer of `total` bytes (transfer_chunk): both ends
+  /// compute it from the same segment or buffer.
+  std::uint64_t chunk_of(std::uint64_t total) const { return transfer_chunk(total, chunk_); }
+  std::uint64_t chunks(std::uint64_t bytes) const {
+    const std::uint64_t ck = chunk_of(bytes);
+    return (bytes + ck - 1) / ck;
+  }
 
   /// Whether the receiver of the messages of a segment (or chain) of `bytes`
   /// posts buffers for them: their first chunk is large enough to be placed
   /// (kPlaceMinBytes). Sender and receiver compute the same answer.
   bool posted(std::uint64_t bytes) const {
-    return std::min<std::uint64_t>(bytes, chunk_) >= kPlaceMinBytes;
+    return std::min<std::uint64_t>(bytes, chunk_of(bytes)) >= kPlaceMinBytes;
   }
   /// Ready to receive: where a receiver posts buffers for a sender's
   /// messages (NodeChannel::post), it says so with an empty message once
@@ -127,7 +133,7 @@ class Algorithms {
       const Segment& seg = segs[mod(i_ - s - 2)];
       const std::uint64_t total = segment_bytes(seg);
       for (std::uint64_t c = 0; c < chunks(total); ++c) {
-        const std::uint64_t from = c * chunk_, to = std::min(total, from + chunk_);
+        const std::uint64_t from = c * chunk_of(total), to = std::min(total, from + chunk_of(total));
         NodePayload m = ch_.recv(left, tag_of(base_, phase, s, c));
         expect_size(m, to - from, left);
         for_pieces(buf, seg, from, to, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
@@ -154,7 +160,7 @@ class Algorithms {
       const Segment& seg = segs[mod(i_ - s - 1)];
       const std::uint64_t total = segment_bytes(seg);
       for (std::uint64_t c = 0; c < chunks(total); ++c) {
-        const std::uint64_t from = c * chunk_, to = std::min(total, from + chunk_);
+        const std::uint64_t from = c * chunk_of(total), to = std::min(total, from + chunk_of(total));
         auto m = std::make_shared<NodePayload>(ch_.recv(left, tag_of(base_, phase, s, c)));
         expect_size(*m, to - from, left);
         // Forwarded from the received message (kept alive by the send).
@@ -238,7 +244,7 @@ class Algorithms {
     std::exception_ptr failed;
     try {
       for (std::uint64_t c = 0; c < chunks(total); ++c) {
-        const std::uint64_t from = c * chunk_, to = std::min(total, from + chunk_);
+        const std::uint64_t from = c * chunk_of(total), to = std::min(total, from + chunk_of(total));
         auto in = std::make_shared<std::vector<NodePayload>>(n_);
         for (int j = 0; j < n_; ++j) {
           if (j == i_) continue;
@@ -289,7 +295,7 @@ class Algorithms {
       const int j = mod(i_ - k);
       const std::uint64_t total = segment_bytes(segs[j]);
       for (std::uint64_t c = 0; c < chunks(total); ++c) {
-        const std::uint64_t from = c * chunk_, to = std::min(total, from + chunk_);
+        const std::uint64_t from = c * chunk_of(total), to = std::min(total, from + chunk_of(total));
         const auto pieces = pieces_of(buf, segs[j], from, to);
         if (pieces.size() != 1) continue;
         ch_.post(j, tag_of(base_, phase, 0, c),
@@ -326,7 +332,7 @@ class Algorithms {
       const int j = mod(i_ - k);  // the node that sent to us first
       const std::uint64_t total = segment_bytes(segs[j]);
       for (std::uint64_t c = 0; c < chunks(total); ++c) {
-        const std::uint64_t from = c * chunk_, to = std::min(total, from + chunk_);
+        const std::uint64_t from = c * chunk_of(total), to = std::min(total, from + chunk_of(total));
         NodePayload m = ch_.recv(j, tag_of(base_, phase, 0, c));
         expect_size(m, to - from, j);
         // Nothing to copy where the transport placed it (post_all_gather).
@@ -396,18 +402,18 @@ class Algorithms {
     const bool has_next = pos + 1 < n_;
     const std::uint64_t nc = std::max<std::uint64_t>(chunks(bytes), 1);
     auto len_of = [&](std::uint64_t c) {
-      return std::min<std::uint64_t>(bytes - std::min(bytes, c * chunk_), chunk_);
+      return std::min<std::uint64_t>(bytes - std::min(bytes, c * chunk_of(bytes)), chunk_of(bytes));
     };
     for (std::uint64_t c = 0; pos != 0 && c < nc; ++c) {
       // Each chunk may be read straight into place, and is forwarded from there.
-      ch_.post(prev, tag_of(base_, phase, 0, c), {buf + c * chunk_, len_of(c)});
+      ch_.post(prev, tag_of(base_, phase, 0, c), {buf + c * chunk_of(bytes), len_of(c)});
     }
     if (posted(bytes)) {
       if (pos != 0) tell_ready(prev, phase);
       if (has_next) await_ready(next, phase);
     }
     for (std::uint64_t c = 0; c < nc; ++c) {
-      const std::uint64_t from = c * chunk_, len = len_of(c);
+      const std::uint64_t from = c * chunk_of(bytes), len = len_of(c);
       if (pos == 0) {
         ch_.send(next, tag_of(base_, phase, 0, c), buf + from, len);
         continue;
@@ -427,7 +433,8 @@ class Algorithms {
     const int prev = mod(i_ - 1), next = mod(i_ + 1);
     const std::uint64_t nc = std::max<std::uint64_t>(chunks(bytes), 1);
     for (std::uint64_t c = 0; c < nc; ++c) {
-      const std::uint64_t from = c * chunk_, len = std::min<std::uint64_t>(bytes - std::min(bytes, from), chunk_);
+      const std::uint64_t from = c * chunk_of(bytes),
+                          len = std::min<std::uint64_t>(bytes - std::min(bytes, from), chunk_of(bytes));
       if (pos > 0) {
         NodePayload m = ch_.recv(prev, tag_of(base_, phase, 0, c));
         expect_size(m, len, prev);
@@ -442,7 +449,7 @@ class Algorithms {
                     std::uint64_t step) {
     const std::uint64_t total = segment_bytes(seg);
     for (std::uint64_t c = 0; c < chunks(total); ++c) {
-      const std::uint64_t from = c * chunk_, to_byte = std::min(total, from + chunk_);
+      const std::uint64_t from = c * chunk_of(total), to_byte = std::min(total, from + chunk_of(total));
       const auto pieces = pieces_of(buf, seg, from, to_byte);
       ch_.send(to, tag_of(base_, phase, step, c), pieces, nullptr);
     }
@@ -453,6 +460,16 @@ class Algorithms {
   std::size_t chunk_;
   std::uint64_t base_;
 };
+
+}  // namespace
+
+std::uint64_t transfer_chunk(std::uint64_t total, std::uint64_t chunk) {
+  if (total < 2 * chunk || total >= 4 * chunk) return chunk;
+  const std::uint64_t quarter = ((total + 3) / 4 + 4095) & ~std::uint64_t{4095};
+  return std::min(quarter, chunk);
+}
+
+namespace {
 
 bool use_direct(std::uint64_t bytes, const NodeAlgorithmOptions& o) {
   if (o.algorithm == "direct") return true;

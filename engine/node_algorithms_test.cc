@@ -318,6 +318,44 @@ TEST_CASE("node algorithms match the reference for every layout, size and operat
   }
 }
 
+TEST_CASE("a transfer of two to four chunks is cut into four, the same on both ends") {
+  constexpr std::uint64_t chunk = 1044480;  // tcp.chunk_bytes 1 MiB less the header room
+  CHECK(transfer_chunk(0, chunk) == chunk);
+  CHECK(transfer_chunk(1 << 20, chunk) == chunk);              // one chunk and a bit: as it was
+  CHECK(transfer_chunk(2 * chunk - 1, chunk) == chunk);
+  CHECK(transfer_chunk(2 << 20, chunk) == 512 * 1024);         // 4 MiB all-reduce, 2 nodes
+  CHECK(transfer_chunk(3 << 20, chunk) == 786432);
+  CHECK(transfer_chunk(4 * chunk - 1, chunk) == chunk);        // whole pages, never above the chunk
+  CHECK(transfer_chunk(4 * chunk, chunk) == chunk);
+  CHECK(transfer_chunk(16 << 20, chunk) == chunk);
+  CHECK(transfer_chunk(5000, 256) == 256);                     // many chunks: as it was
+  CHECK(transfer_chunk(40000, 16384) == 12288);
+
+  // Every operation with transfers in that range (16 KiB chunks; int32
+  // elements: 28-49 KB per rank, segments of 7-49 KB), pairwise and ring.
+  const std::vector<std::vector<int>> layouts = {{0, 1}, {0, 1, 2}, {0, 0, 1, 2, 2, 2}, {1, 0, 1, 2, 3, 3}};
+  for (const int pairwise_max : {1, 4}) {
+    NodeAlgorithmOptions o;
+    o.chunk_bytes = 16384;
+    o.direct_max_bytes = 512;
+    o.pairwise_max_nodes = pairwise_max;
+    for (const auto& layout : layouts) {
+      for (OpKind k : {OpKind::all_reduce, OpKind::all_gather, OpKind::reduce_scatter, OpKind::broadcast,
+                       OpKind::reduce}) {
+        for (std::uint64_t count : {7001ull, 12345ull}) {
+          for (bool in_place : {false, true}) {
+            CAPTURE(pairwise_max);
+            CAPTURE(layout.size());
+            CAPTURE(count);
+            CAPTURE(in_place);
+            run(layout, Case{k, RedOp::sum, count, in_place, static_cast<int>(count % layout.size())}, o);
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("pairwise reduce-scatter and all-reduce with chunk reductions running at once, "
           "finishing out of order") {
   NodeAlgorithmOptions o;

@@ -143,7 +143,9 @@ TEST_CASE("a node that runs ahead waits until the receiver is ready: every chunk
   const std::string placed = "event=node_receive_placed";
   SUBCASE("broadcast: the root is early") {
     Cluster cl(3, {"log.level=debug"});
-    const std::size_t count = 700001;  // int32: 1 + 1 + 0.67 MiB, every chunk placeable
+    // int32: 2.67 MiB, between two and four 1 MiB chunks, so cut into four
+    // of 684 KiB (engine::transfer_chunk), every chunk placeable.
+    const std::size_t count = 700001;
     run_layout(cl, {0, 1, 2}, count * 4 + 4096, [&](RankCtx& c) {
       for (int round = 0; round < 3; ++round) {
         if (c.rank != 0) std::this_thread::sleep_for(150ms);
@@ -152,8 +154,8 @@ TEST_CASE("a node that runs ahead waits until the receiver is ready: every chunk
       return 0;
     });
     CHECK(count_of(cl.nodes[0].daemon->log(), placed) == 0);
-    CHECK(count_of(cl.nodes[1].daemon->log(), placed) == 3 * 3);
-    CHECK(count_of(cl.nodes[2].daemon->log(), placed) == 3 * 3);
+    CHECK(count_of(cl.nodes[1].daemon->log(), placed) == 4 * 3);
+    CHECK(count_of(cl.nodes[2].daemon->log(), placed) == 4 * 3);
   }
   SUBCASE("all-gather: rank r is r x 150 ms late") {
     Cluster cl(3, {"log.level=debug"});
