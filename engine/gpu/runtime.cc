@@ -782,8 +782,12 @@ class CudaExecutor final : public GpuExecutor {
         st->recv[r] = s->pipe->recv_chunk(s->chunk);
         continue;
       }
-      st->send[r] = st->take(op.send[r].bytes);
+      // In place on the GPU (all-reduce, broadcast, reduce), in place on
+      // the host too: one staging buffer, so that the host collective does
+      // not copy the input into the output first (a broadcast root copied
+      // its whole buffer on the CPU).
       st->recv[r] = st->take(op.recv[r].bytes);
+      st->send[r] = staged_in_place(op, r) ? st->recv[r] : st->take(op.send[r].bytes);
     }
     std::lock_guard lock(mu_);
     auto take_event = [&](int dev) {
@@ -820,7 +824,8 @@ class CudaExecutor final : public GpuExecutor {
                                             s->ticket, cu::kStreamWaitValueGeq),
                    "cuStreamWaitValue32 on " + op.who[r] + "'s ready word");
       }
-      if (gs.bytes != 0) {
+      // A broadcast's input is read at its root only.
+      if (gs.bytes != 0 && !(op.kind == OpKind::broadcast && r != op.root)) {
         const std::byte* src = gs.reg->device->data_on(dev) + (gs.ptr - gs.reg->device->data());
         check_rt(cudaMemcpyAsync(st->send[r].ptr, src, gs.bytes, cudaMemcpyDeviceToHost, stream),
                  "copy of " + op.who[r] + "'s input to host staging");
@@ -892,7 +897,11 @@ class CudaExecutor final : public GpuExecutor {
                                                            : devices_.front().ordinal;
       cudaSetDevice(dev);
       cudaStream_t stream = devices_[dev].out_streams[st->slot];
-      if (gr.bytes != 0) {
+      // Not copied back: a reduce's output off its root (not written, as
+      // NCCL's), and a broadcast root's output where it is its input.
+      const bool unwritten = (op.kind == OpKind::reduce && r != op.root) ||
+                             (op.kind == OpKind::broadcast && r == op.root && staged_in_place(op, r));
+      if (gr.bytes != 0 && !unwritten) {
         std::byte* dst = gr.reg->device->data_on(dev) + (gr.ptr - gr.reg->device->data());
         check_rt(cudaMemcpyAsync(dst, st->recv[r].ptr, gr.bytes, cudaMemcpyHostToDevice, stream),
                  "copy of " + op.who[r] + "'s output from host staging");
@@ -924,6 +933,16 @@ class CudaExecutor final : public GpuExecutor {
   }
 
  private:
+  /// Whether rank r's buffers of a staged operation are one (send == recv)
+  /// for an operation whose input and output have the same size.
+  static bool staged_in_place(const GpuCollective& op, int r) {
+    const Span& s = op.send[static_cast<std::size_t>(r)];
+    const Span& d = op.recv[static_cast<std::size_t>(r)];
+    const bool same_size_kind =
+        op.kind == OpKind::all_reduce || op.kind == OpKind::broadcast || op.kind == OpKind::reduce;
+    return same_size_kind && s.reg != nullptr && s.ptr == d.ptr && s.bytes == d.bytes && s.bytes != 0;
+  }
+
   /// The first chunk of a pipelined staged operation to reach stage_in
   /// (under mu_): waits for the rank's input, then copies every chunk's input
   /// to the host, recording one event per chunk.

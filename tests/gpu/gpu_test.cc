@@ -222,7 +222,11 @@ long run_case(GpuRank& g, Kind k, engine::DType d, engine::RedOp op, std::size_t
   switch (k) {
     case Kind::all_reduce: reduce_at(0, want.data()); break;
     case Kind::reduce:
-      if (rank != root) return 0;
+      // A non-root rank's output is not written (as NCCL's): still the poison.
+      if (rank != root) {
+        std::memcpy(want.data(), poison.data(), recv_bytes);
+        break;
+      }
       reduce_at(0, want.data());
       break;
     case Kind::reduce_scatter: reduce_at(rank * count, want.data()); break;
