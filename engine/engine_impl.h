@@ -93,6 +93,9 @@ struct Slot {
   /// GPU buffers on a communicator spanning nodes: the pinned host staging
   /// the host collective runs on (engine/gpu/executor.h).
   std::shared_ptr<gpu::GpuStage> gpu_stage;
+  /// When its copies to the host were queued and when they were done (the
+  /// debug log's gpu_staged event).
+  Clock::time_point stage_queued, staged_in;
 };
 
 struct P2PItem {
@@ -880,6 +883,7 @@ struct Engine::Impl {
                         std::vector<Delivery>& out) {
     const std::uint64_t seq = slot.seq;
     std::weak_ptr<Comm> weak = cp;
+    slot.stage_queued = Clock::now();
     try {
       slot.gpu_stage = gpu->stage_in(std::move(op), [this, weak, seq](Code code, std::string why) {
         auto comm = weak.lock();
@@ -903,6 +907,7 @@ struct Engine::Impl {
           } else {
             // The host collective runs on the staging; the GPU spans stay
             // alive in the stage until the outputs are copied back.
+            s.staged_in = Clock::now();
             const auto& st = s.gpu_stage;
             for (int r = 0; r < comm->nranks; ++r) {
               if (!s.parts[r].present) continue;
@@ -950,7 +955,28 @@ struct Engine::Impl {
     if (slot.gpu_stage) {
       auto answers = std::make_shared<std::vector<Delivery>>(std::move(staged));
       answer_when_done(answers, seq, out_, [&](auto done) {
-        gpu->stage_out(std::move(slot.gpu_stage), std::move(done));
+        if (!log.enabled(config::LogLevel::debug)) {
+          gpu->stage_out(std::move(slot.gpu_stage), std::move(done));
+          return;
+        }
+        // Where a staged operation's time goes: the copies in (from queueing,
+        // so with the wait for the ranks' inputs), the exchange, the copies out.
+        const auto us = [](Clock::duration d) {
+          return std::chrono::duration_cast<std::chrono::microseconds>(d).count();
+        };
+        const auto exchanged = Clock::now();
+        gpu->stage_out(std::move(slot.gpu_stage),
+                       [this, done = std::move(done), name = comm.name, seq, kind = slot.desc.kind,
+                        in = us(slot.staged_in - slot.stage_queued), across = us(exchanged - slot.staged_in),
+                        exchanged, us](Code code, std::string why) {
+                         log.debug("gpu_staged", {{"comm", name},
+                                                  {"seq", seq},
+                                                  {"op", to_string(kind)},
+                                                  {"in_us", in},
+                                                  {"exchange_us", across},
+                                                  {"out_us", us(Clock::now() - exchanged)}});
+                         done(code, std::move(why));
+                       });
       });
     }
     end_slot(comm, it);
