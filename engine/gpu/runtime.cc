@@ -694,8 +694,8 @@ class CudaExecutor final : public GpuExecutor {
     }
     debug_sync(exec, stream_of, "waiting for the ranks' events");
     // 2. The work, each executing GPU its share. A broadcast split over
-    //    gpu.two_step_min_gpus GPUs or more takes two steps with every GPU waiting for the others in
-    //    between (enqueue_work's broadcast).
+    //    gpu.two_step_min_gpus GPUs or more takes two steps, every GPU
+    //    waiting for the others in between (broadcast_step).
     const bool two_steps =
         op.kind == OpKind::broadcast && exec.size() >= static_cast<std::size_t>(two_step_min_gpus_);
     for (int step = 0; step < (two_steps ? 2 : 1); ++step) {
