@@ -80,7 +80,7 @@ struct Options {
                "                       [-n iters] [-w warmup] [-c check(0/1)] [-d dtype|all]\n"
                "                       [-o sum|prod|min|max|avg|all] [-r root|all] [-z 0/1]\n"
                "                       [--op all-reduce|all-gather|reduce-scatter|broadcast|reduce|\n"
-               "                             all-to-all|all] [--daemons SOCK1,SOCK2,...]\n"
+               "                             all-to-all|all] (repeatable) [--daemons SOCK1,SOCK2,...]\n"
                "                       [-g] [--gpus N]\n"
                "-g: GPU buffers (rank r on GPU r %% N), stream-ordered calls, timed with CUDA events.\n"
                "sizes take K, M, G suffixes (powers of 1024). Ranks are local processes,\n"
@@ -122,6 +122,7 @@ collective_dtype_t parse_dtype(const std::string& s) {
 
 Options parse(int argc, char** argv) {
   Options o;
+  bool ops_given = false;  // the first --op replaces the default list, later ones add
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto val = [&]() -> const char* {
@@ -170,11 +171,15 @@ Options parse(int argc, char** argv) {
       o.root = v == "all" ? -1 : std::atoi(v.c_str());
     } else if (a == "--op") {
       std::string v = val();
-      o.ops.clear();
+      if (!ops_given) o.ops.clear();
+      ops_given = true;
+      bool known = false;
       for (Op op : kAllOps) {
-        if (v == "all" || v == op_name(op)) o.ops.push_back(op);
+        if (v != "all" && v != op_name(op)) continue;
+        known = true;
+        if (std::find(o.ops.begin(), o.ops.end(), op) == o.ops.end()) o.ops.push_back(op);
       }
-      if (o.ops.empty()) usage(("unknown operation " + v).c_str());
+      if (!known) usage(("unknown operation " + v).c_str());
     } else if (a == "--daemons") {
       std::string v = val();
       for (std::size_t at = 0; at <= v.size();) {

@@ -61,6 +61,24 @@ TEST_CASE("the demo client runs end to end against a real daemon") {
   CHECK(r.code == 0);
 }
 
+TEST_CASE("collective-perf runs every --op it is given and checks every element") {
+  Daemon d;
+  // Two --op flags: both operations run (the tool used to keep only the last).
+  auto r = run_program({perf_binary(), "-t", "2", "-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1",
+                        "-c", "1", "--op", "all-reduce", "--op", "broadcast", "--op", "all-reduce"},
+                       60s, {{"COLLECTIVED_SOCKET", d.socket()}});
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK(r.output.find("# all-reduce, float") != std::string::npos);
+  CHECK(r.output.find("# broadcast, float") != std::string::npos);
+  CHECK(r.output.find("# all-gather") == std::string::npos);
+  CHECK(r.output.find("# all-reduce, float", r.output.find("# broadcast")) == std::string::npos);  // once
+  CHECK(r.output.find("Out of bounds values : 0 OK") != std::string::npos);
+  r = run_program({perf_binary(), "--op", "all-reduce", "--op", "bogus"}, 10s);
+  CHECK(r.code == 2);
+  CHECK(r.output.find("unknown operation bogus") != std::string::npos);
+}
+
 TEST_CASE("a second daemon on a live socket refuses to start; a stale socket is replaced") {
   Daemon d;
   auto r = run_program({collectived_binary(), "--set", "client.socket=" + d.socket()}, 10s);

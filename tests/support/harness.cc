@@ -50,6 +50,7 @@ std::string read_file(const std::string& path) {
 
 std::string collectived_binary() { return COLLECTIVED_BIN; }
 std::string demo_binary() { return COLLECTIVE_DEMO_BIN; }
+std::string perf_binary() { return COLLECTIVE_PERF_BIN; }
 
 namespace {
 

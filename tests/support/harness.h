@@ -35,6 +35,7 @@ std::string read_file(const std::string& path);
 /// Absolute paths of the binaries under test (from the build).
 std::string collectived_binary();
 std::string demo_binary();
+std::string perf_binary();
 
 /// Result of a finished child process.
 struct ExitStatus {
