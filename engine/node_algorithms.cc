@@ -93,6 +93,15 @@ class Algorithms {
     const std::uint64_t ck = chunk_of(bytes);
     return (bytes + ck - 1) / ck;
   }
+  /// Bytes [from, to) of chunk c of a transfer of `total` bytes.
+  struct ChunkSpan {
+    std::uint64_t from, to;
+  };
+  ChunkSpan chunk_span(std::uint64_t total, std::uint64_t c) const {
+    const std::uint64_t ck = chunk_of(total);
+    const std::uint64_t from = std::min(total, c * ck);
+    return {from, std::min(total, from + ck)};
+  }
 
   /// Whether the receiver of the messages of a segment (or chain) of `bytes`
   /// posts buffers for them: their first chunk is large enough to be placed
@@ -133,7 +142,7 @@ class Algorithms {
       const Segment& seg = segs[mod(i_ - s - 2)];
       const std::uint64_t total = segment_bytes(seg);
       for (std::uint64_t c = 0; c < chunks(total); ++c) {
-        const std::uint64_t from = c * chunk_of(total), to = std::min(total, from + chunk_of(total));
+        const auto [from, to] = chunk_span(total, c);
         NodePayload m = ch_.recv(left, tag_of(base_, phase, s, c));
         expect_size(m, to - from, left);
         for_pieces(buf, seg, from, to, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
@@ -160,7 +169,7 @@ class Algorithms {
       const Segment& seg = segs[mod(i_ - s - 1)];
       const std::uint64_t total = segment_bytes(seg);
       for (std::uint64_t c = 0; c < chunks(total); ++c) {
-        const std::uint64_t from = c * chunk_of(total), to = std::min(total, from + chunk_of(total));
+        const auto [from, to] = chunk_span(total, c);
         auto m = std::make_shared<NodePayload>(ch_.recv(left, tag_of(base_, phase, s, c)));
         expect_size(*m, to - from, left);
         // Forwarded from the received message (kept alive by the send).
@@ -244,7 +253,7 @@ class Algorithms {
     std::exception_ptr failed;
     try {
       for (std::uint64_t c = 0; c < chunks(total); ++c) {
-        const std::uint64_t from = c * chunk_of(total), to = std::min(total, from + chunk_of(total));
+        const auto [from, to] = chunk_span(total, c);
         auto in = std::make_shared<std::vector<NodePayload>>(n_);
         for (int j = 0; j < n_; ++j) {
           if (j == i_) continue;
@@ -295,7 +304,7 @@ class Algorithms {
       const int j = mod(i_ - k);
       const std::uint64_t total = segment_bytes(segs[j]);
       for (std::uint64_t c = 0; c < chunks(total); ++c) {
-        const std::uint64_t from = c * chunk_of(total), to = std::min(total, from + chunk_of(total));
+        const auto [from, to] = chunk_span(total, c);
         const auto pieces = pieces_of(buf, segs[j], from, to);
         if (pieces.size() != 1) continue;
         ch_.post(j, tag_of(base_, phase, 0, c),
@@ -332,7 +341,7 @@ class Algorithms {
       const int j = mod(i_ - k);  // the node that sent to us first
       const std::uint64_t total = segment_bytes(segs[j]);
       for (std::uint64_t c = 0; c < chunks(total); ++c) {
-        const std::uint64_t from = c * chunk_of(total), to = std::min(total, from + chunk_of(total));
+        const auto [from, to] = chunk_span(total, c);
         NodePayload m = ch_.recv(j, tag_of(base_, phase, 0, c));
         expect_size(m, to - from, j);
         // Nothing to copy where the transport placed it (post_all_gather).
@@ -401,19 +410,18 @@ class Algorithms {
     const int prev = mod(i_ - 1), next = mod(i_ + 1);
     const bool has_next = pos + 1 < n_;
     const std::uint64_t nc = std::max<std::uint64_t>(chunks(bytes), 1);
-    auto len_of = [&](std::uint64_t c) {
-      return std::min<std::uint64_t>(bytes - std::min(bytes, c * chunk_of(bytes)), chunk_of(bytes));
-    };
     for (std::uint64_t c = 0; pos != 0 && c < nc; ++c) {
       // Each chunk may be read straight into place, and is forwarded from there.
-      ch_.post(prev, tag_of(base_, phase, 0, c), {buf + c * chunk_of(bytes), len_of(c)});
+      const auto [from, to] = chunk_span(bytes, c);
+      ch_.post(prev, tag_of(base_, phase, 0, c), {buf + from, to - from});
     }
     if (posted(bytes)) {
       if (pos != 0) tell_ready(prev, phase);
       if (has_next) await_ready(next, phase);
     }
     for (std::uint64_t c = 0; c < nc; ++c) {
-      const std::uint64_t from = c * chunk_of(bytes), len = len_of(c);
+      const auto [from, to] = chunk_span(bytes, c);
+      const std::uint64_t len = to - from;
       if (pos == 0) {
         ch_.send(next, tag_of(base_, phase, 0, c), buf + from, len);
         continue;
@@ -433,8 +441,8 @@ class Algorithms {
     const int prev = mod(i_ - 1), next = mod(i_ + 1);
     const std::uint64_t nc = std::max<std::uint64_t>(chunks(bytes), 1);
     for (std::uint64_t c = 0; c < nc; ++c) {
-      const std::uint64_t from = c * chunk_of(bytes),
-                          len = std::min<std::uint64_t>(bytes - std::min(bytes, from), chunk_of(bytes));
+      const auto [from, to] = chunk_span(bytes, c);
+      const std::uint64_t len = to - from;
       if (pos > 0) {
         NodePayload m = ch_.recv(prev, tag_of(base_, phase, 0, c));
         expect_size(m, len, prev);
@@ -449,7 +457,7 @@ class Algorithms {
                     std::uint64_t step) {
     const std::uint64_t total = segment_bytes(seg);
     for (std::uint64_t c = 0; c < chunks(total); ++c) {
-      const std::uint64_t from = c * chunk_of(total), to_byte = std::min(total, from + chunk_of(total));
+      const auto [from, to_byte] = chunk_span(total, c);
       const auto pieces = pieces_of(buf, seg, from, to_byte);
       ch_.send(to, tag_of(base_, phase, step, c), pieces, nullptr);
     }
