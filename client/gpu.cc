@@ -146,7 +146,8 @@ std::shared_ptr<GpuState> gpu_state(collective_client_t* client) {
     s->direct.allowed = a.getClientKernels();
     s->direct.reason = a.getReason().cStr();
     s->direct.max_bytes = a.getMaxBytes();
-    s->direct.two_step_min_ranks = a.getTwoStepMinGpus() == 0 ? 3 : static_cast<int>(a.getTwoStepMinGpus());
+    // 0: a daemon older than the field; DirectPolicy's default stands.
+    if (a.getTwoStepMinGpus() != 0) s->direct.two_step_min_ranks = static_cast<int>(a.getTwoStepMinGpus());
     s->direct.two_step_bytes = a.getTwoStepBytes();
   } else {
     s->direct.reason = "the daemon does not offer the client's kernels (an older collectived)";
