@@ -1240,12 +1240,7 @@ class CudaExecutor final : public GpuExecutor {
     std::vector<Copy> pairs;
     // Copies that go to this GPU's copy engines whatever else it does, each
     // with its own length (a broadcast's halves below).
-    struct Part {
-      const std::byte* src;
-      std::byte* dst;
-      std::uint64_t bytes;
-    };
-    std::vector<Part> engine_parts;
+    std::vector<CopyPart> engine_parts;
     auto copy = [&](int from, int to, const std::byte* src, std::byte* dst) {
       pairs.push_back({src, dst, rank_dev[from] != rank_dev[to]});
     };
@@ -1380,27 +1375,37 @@ class CudaExecutor final : public GpuExecutor {
     // overlaps both (all-gather out of place was 6-28 % slower that way).
     const bool engines = copy_engine_min_bytes_ != 0 && one >= copy_engine_min_bytes_ &&
                          std::all_of(pairs.begin(), pairs.end(), [](const Copy& c) { return c.peer; });
-    std::vector<Copy> kernel_pairs;
-    for (const Copy& c : pairs) {
-      if (engines) {
-        engine_parts.push_back({c.src, c.dst, one});
-      } else {
-        kernel_pairs.push_back(c);
-      }
-    }
-    for (const Part& c : engine_parts) {
+    std::vector<CopyPart> kernel_parts;
+    for (const Copy& c : pairs) (engines ? engine_parts : kernel_parts).push_back({c.src, c.dst, one});
+    for (const CopyPart& c : engine_parts) {
       check_rt(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, stream),
                "cudaMemcpyAsync between GPUs (copy engine)");
     }
-    for (std::size_t k = 0; k < kernel_pairs.size(); k += kMaxKernelPointers) {
+    launch_copies(std::move(kernel_parts), blocks, stream, "copy kernel");
+  }
+
+  /// A copy of `bytes` from `src` to `dst` (device addresses of the executing GPU).
+  struct CopyPart {
+    const std::byte* src;
+    std::byte* dst;
+    std::uint64_t bytes;
+  };
+
+  /// The copy kernels for `parts` (destinations disjoint): one launch per
+  /// length and kMaxKernelPointers pairs.
+  static void launch_copies(std::vector<CopyPart> parts, int blocks, cudaStream_t stream, const char* what) {
+    std::stable_sort(parts.begin(), parts.end(),
+                     [](const CopyPart& a, const CopyPart& b) { return a.bytes < b.bytes; });
+    for (std::size_t k = 0; k < parts.size();) {
       CopyLaunch c{};
-      c.n = static_cast<int>(std::min<std::size_t>(kMaxKernelPointers, kernel_pairs.size() - k));
-      for (int x = 0; x < c.n; ++x) {
-        c.src[x] = kernel_pairs[k + x].src;
-        c.dst[x] = kernel_pairs[k + x].dst;
+      c.bytes = parts[k].bytes;
+      while (k < parts.size() && parts[k].bytes == c.bytes && c.n < kMaxKernelPointers) {
+        c.src[c.n] = parts[k].src;
+        c.dst[c.n] = parts[k].dst;
+        ++c.n;
+        ++k;
       }
-      c.bytes = one;
-      check_rt(kernels::launch_copy(c, blocks, stream), "copy kernel");
+      check_rt(kernels::launch_copy(c, blocks, stream), what);
     }
   }
 
@@ -1427,26 +1432,22 @@ class CudaExecutor final : public GpuExecutor {
       const std::uint64_t at = c * per;
       return at >= one ? 0 : std::min(per, one - at);
     };
-    auto first_rank = [&](int d) {
-      for (int r = 0; r < n; ++r) {
-        if (rank_dev[r] == d) return r;
-      }
-      throw Error(Code::internal, "broadcast: no rank on GPU " + std::to_string(d));
-    };
+    // Where chunk c lies after step 0: the root's input, or the output of
+    // the first rank on GPU exec[c].
+    std::vector<int> first(k, -1);
+    for (int r = n - 1; r >= 0; --r) {
+      const auto at = std::find(exec.begin(), exec.end(), rank_dev[r]);
+      if (at != exec.end()) first[static_cast<std::size_t>(at - exec.begin())] = r;
+    }
     if (step == 0) {
       if (dev != root_dev && len(i) != 0) {
-        const int r = first_rank(dev);
-        check_rt(cudaMemcpyAsync(recv[r] + i * per, send[op.root] + i * per, len(i), cudaMemcpyDefault, stream),
+        check_rt(cudaMemcpyAsync(recv[first[i]] + i * per, send[op.root] + i * per, len(i), cudaMemcpyDefault,
+                                 stream),
                  "cudaMemcpyAsync (broadcast, chunk " + std::to_string(i) + " from the root's GPU)");
       }
       return;
     }
-    struct Part {
-      const std::byte* src;
-      std::byte* dst;
-      std::uint64_t bytes;
-    };
-    std::vector<Part> parts;
+    std::vector<CopyPart> parts;
     for (int r = 0; r < n; ++r) {
       if (rank_dev[r] != dev) continue;
       if (dev == root_dev) {
@@ -1454,28 +1455,12 @@ class CudaExecutor final : public GpuExecutor {
         continue;
       }
       for (std::size_t c = 0; c < k; ++c) {
-        if (len(c) == 0 || (c == i && r == first_rank(dev))) continue;
-        const std::byte* from = exec[c] == root_dev ? send[op.root] : recv[first_rank(exec[c])];
+        if (len(c) == 0 || (c == i && r == first[i])) continue;
+        const std::byte* from = exec[c] == root_dev ? send[op.root] : recv[first[c]];
         parts.push_back({from + c * per, recv[r] + c * per, len(c)});
       }
     }
-    // One copy kernel per length (the last chunk may be shorter).
-    while (!parts.empty()) {
-      const std::uint64_t bytes = parts.front().bytes;
-      CopyLaunch c{};
-      c.bytes = bytes;
-      for (auto it = parts.begin(); it != parts.end();) {
-        if (it->bytes == bytes && c.n < kMaxKernelPointers) {
-          c.src[c.n] = it->src;
-          c.dst[c.n] = it->dst;
-          ++c.n;
-          it = parts.erase(it);
-        } else {
-          ++it;
-        }
-      }
-      check_rt(kernels::launch_copy(c, blocks, stream), "copy kernel (broadcast, second step)");
-    }
+    launch_copies(std::move(parts), blocks, stream, "copy kernel (broadcast, second step)");
   }
 
   /// The completion thread: polls every queued operation's last events
