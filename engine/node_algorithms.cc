@@ -253,7 +253,10 @@ class Algorithms {
     std::exception_ptr failed;
     try {
       for (std::uint64_t c = 0; c < chunks(total); ++c) {
-        const auto [from, to] = chunk_span(total, c);
+        // Plain copies: the pass below captures them (clang does not capture
+        // structured bindings).
+        const ChunkSpan span = chunk_span(total, c);
+        const std::uint64_t from = span.from, to = span.to;
         auto in = std::make_shared<std::vector<NodePayload>>(n_);
         for (int j = 0; j < n_; ++j) {
           if (j == i_) continue;
