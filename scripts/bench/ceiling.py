@@ -50,8 +50,9 @@ def main(argv):
             o, m, g = med(ours, op, size), med(mpi, op, size), med(gloo, op, size)
             if o is None and m is None and g is None:
                 continue
-            div = lambda v: None if v is None else v / c
-            need_g = None if g is None else 1.5 * g / c
+            # Small sizes print a busbw of 0.00: no fraction there.
+            div = lambda v: None if v is None or c <= 0 else v / c
+            need_g = None if g is None or c <= 0 else 1.5 * g / c
             print(f"{size:>12} {c:>8.2f} {f(div(o)):>6} {f(div(m)):>6} {f(div(g)):>6} {f(need_g):>14}")
     return 0
 
