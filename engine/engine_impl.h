@@ -964,14 +964,19 @@ struct Engine::Impl {
         const auto us = [](Clock::duration d) {
           return std::chrono::duration_cast<std::chrono::microseconds>(d).count();
         };
+        // `at_us`: when it was queued, on the steady clock (CLOCK_MONOTONIC),
+        // which the daemons of one host share: daemons that stand for nodes
+        // on one machine can be lined up (which node came in late).
         const auto exchanged = Clock::now();
         gpu->stage_out(std::move(slot.gpu_stage),
                        [this, done = std::move(done), name = comm.name, seq, kind = slot.desc.kind,
+                        at = us(slot.stage_queued.time_since_epoch()),
                         in = us(slot.staged_in - slot.stage_queued), across = us(exchanged - slot.staged_in),
                         exchanged, us](Code code, std::string why) {
                          log.debug("gpu_staged", {{"comm", name},
                                                   {"seq", seq},
                                                   {"op", to_string(kind)},
+                                                  {"at_us", at},
                                                   {"in_us", in},
                                                   {"exchange_us", across},
                                                   {"out_us", us(Clock::now() - exchanged)}});
