@@ -792,7 +792,7 @@ class CudaExecutor final : public GpuExecutor {
       // (stage_out). Before, an out-of-place broadcast root copied its whole
       // buffer on the CPU and back to the GPU. Measured on 2 H200, 2 daemons
       // over TCP, two runs of 3 interleaved rounds (medians): out-of-place
-      // broadcast 1.14-1.76x faster at 1-16 MiB; all-reduce 0.97-1.13x
+      // broadcast 1.14-1.64x faster at 1-16 MiB; all-reduce 0.96-1.14x
       // (within the noise).
       st->recv[r] = st->take(op.recv[r].bytes);
       st->send[r] = host_in_place(op, r) ? st->recv[r] : st->take(op.send[r].bytes);
