@@ -139,10 +139,10 @@ class Algorithms {
   /// than the round trip the wait costs where 8 processes share 2 cores.
   /// Measured there (4 daemons x 1 rank, medians of 6 interleaved rounds):
   /// without the wait below 512 KiB, all-gathers of 256 KiB, 512 KiB and
-  /// 1 MiB in all were 1.77x, 1.34x and 1.06x faster; with it
-  /// at 512 KiB segments and above, 2 and 4 MiB were 1.02-1.20x faster than
-  /// without. Broadcast, whose root always runs ahead, keeps the wait at
-  /// every posted size (4 MiB: 1.8x).
+  /// 1 MiB in all were 1.77x, 1.34x and 1.06x faster; with it at 512 KiB
+  /// segments and above, 2 and 4 MiB were 1.12x and 1.20x faster than
+  /// without (4 rounds). Broadcast, whose root always runs ahead, keeps the
+  /// wait at every posted size (4 MiB: 1.8x).
   bool all_gather_waits(std::uint64_t bytes) const {
     return posted(bytes) && bytes >= kAllGatherReadyBytes;
   }

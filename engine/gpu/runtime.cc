@@ -49,6 +49,13 @@ void check_rt(cudaError_t e, const std::string& what) {
 
 constexpr int kStreamsPerDevice = 4;
 
+/// Where GPU `dev` addresses the bytes of span `sp` (its registration mapped
+/// on that GPU, peer mappings included); null where the span has no memory.
+std::byte* on_device(const Span& sp, int dev) {
+  if (!sp.reg) return nullptr;
+  return sp.reg->device->data_on(dev) + (sp.ptr - sp.reg->device->data());
+}
+
 bool env_flag(const char* name) {
   const char* v = std::getenv(name);
   return v != nullptr && *v != '\0' && std::string(v) != "0";
@@ -782,18 +789,14 @@ class CudaExecutor final : public GpuExecutor {
         st->recv[r] = s->pipe->recv_chunk(s->chunk);
         continue;
       }
-      // In place on the GPU (all-reduce, broadcast, reduce), in place on
-      // the host too: one staging buffer, so that the host collective does
-      // not copy the input into the output first (a broadcast root copied
-      // its whole buffer on the CPU).
-      // Out of place on the GPU, all-reduce and broadcast too (host_in_place):
-      // the input is read once, so the host collective runs in place on one
-      // buffer, and a broadcast root's output is copied on its GPU
-      // (stage_out). Before, an out-of-place broadcast root copied its whole
-      // buffer on the CPU and back to the GPU. Measured on 2 H200, 2 daemons
-      // over TCP, two runs of 3 interleaved rounds (medians): out-of-place
-      // broadcast 1.14-1.64x faster at 1-16 MiB; all-reduce 0.96-1.14x
-      // (within the noise).
+      // One staging buffer where host_in_place says so, so that the host
+      // collective does not copy the input into the output first: in place
+      // on the GPU, and out-of-place all-reduce and broadcast (a broadcast
+      // root's output is then copied on its GPU, stage_out). Before, a
+      // broadcast root copied its whole buffer on the CPU (and, out of
+      // place, back to the GPU). Measured on 2 H200, 2 daemons over TCP,
+      // two runs of 3 interleaved rounds (medians): out-of-place broadcast
+      // 1.14-1.64x faster at 1-16 MiB; all-reduce 0.96-1.14x (noise).
       st->recv[r] = st->take(op.recv[r].bytes);
       st->send[r] = host_in_place(op, r) ? st->recv[r] : st->take(op.send[r].bytes);
     }
@@ -834,7 +837,7 @@ class CudaExecutor final : public GpuExecutor {
       }
       // A broadcast's input is read at its root only.
       if (gs.bytes != 0 && !(op.kind == OpKind::broadcast && r != op.root)) {
-        const std::byte* src = gs.reg->device->data_on(dev) + (gs.ptr - gs.reg->device->data());
+        const std::byte* src = on_device(gs, dev);
         check_rt(cudaMemcpyAsync(st->send[r].ptr, src, gs.bytes, cudaMemcpyDeviceToHost, stream),
                  "copy of " + op.who[r] + "'s input to host staging");
       }
@@ -879,7 +882,7 @@ class CudaExecutor final : public GpuExecutor {
         if (whole.bytes != 0) {
           // This chunk's part of the output, in the whole operation's layout.
           const std::uint64_t es = pp.es, c = pp.count(s->chunk), at = pp.first(s->chunk);
-          std::byte* dst = whole.reg->device->data_on(pp.dev) + (whole.ptr - whole.reg->device->data()) + at * es;
+          std::byte* dst = on_device(whole, pp.dev) + at * es;
           const std::byte* src = pp.host_recv + at * es * pp.rmul;
           for (std::uint64_t b = 0; b < pp.rmul; ++b) {  // one block per rank where there are several
             check_rt(cudaMemcpyAsync(dst + b * pp.a.count * es, src + b * c * es, c * es,
@@ -911,14 +914,13 @@ class CudaExecutor final : public GpuExecutor {
       const bool root_bcast = op.kind == OpKind::broadcast && r == op.root;
       const bool unwritten = (op.kind == OpKind::reduce && r != op.root) || root_bcast;
       if (root_bcast && gr.bytes != 0 && !staged_in_place(op, r)) {
-        const std::byte* src = gs.reg->device->data_on(dev) + (gs.ptr - gs.reg->device->data());
-        std::byte* dst = gr.reg->device->data_on(dev) + (gr.ptr - gr.reg->device->data());
-        check_rt(cudaMemcpyAsync(dst, src, gr.bytes, cudaMemcpyDeviceToDevice, stream),
+        check_rt(cudaMemcpyAsync(on_device(gr, dev), on_device(gs, dev), gr.bytes,
+                                 cudaMemcpyDeviceToDevice, stream),
                  "copy of broadcast root " + op.who[r] + "'s input to its output");
       }
       if (gr.bytes != 0 && !unwritten) {
-        std::byte* dst = gr.reg->device->data_on(dev) + (gr.ptr - gr.reg->device->data());
-        check_rt(cudaMemcpyAsync(dst, st->recv[r].ptr, gr.bytes, cudaMemcpyHostToDevice, stream),
+        check_rt(cudaMemcpyAsync(on_device(gr, dev), st->recv[r].ptr, gr.bytes,
+                                 cudaMemcpyHostToDevice, stream),
                  "copy of " + op.who[r] + "'s output from host staging");
       }
       if (op.hold) {
@@ -951,11 +953,16 @@ class CudaExecutor final : public GpuExecutor {
   /// Whether rank r's buffers of a staged operation are one (send == recv)
   /// for an operation whose input and output have the same size.
   static bool staged_in_place(const GpuCollective& op, int r) {
-    const Span& s = op.send[static_cast<std::size_t>(r)];
-    const Span& d = op.recv[static_cast<std::size_t>(r)];
     const bool same_size_kind =
         op.kind == OpKind::all_reduce || op.kind == OpKind::broadcast || op.kind == OpKind::reduce;
-    return same_size_kind && s.reg != nullptr && s.ptr == d.ptr && s.bytes == d.bytes && s.bytes != 0;
+    return same_size_kind && same_size_spans(op, r) &&
+           op.send[static_cast<std::size_t>(r)].ptr == op.recv[static_cast<std::size_t>(r)].ptr;
+  }
+  /// Rank r's input and output are both GPU memory of one (non-zero) size.
+  static bool same_size_spans(const GpuCollective& op, int r) {
+    const Span& s = op.send[static_cast<std::size_t>(r)];
+    const Span& d = op.recv[static_cast<std::size_t>(r)];
+    return s.reg != nullptr && d.reg != nullptr && s.bytes == d.bytes && s.bytes != 0;
   }
   /// Whether rank r's host staging is one buffer for input and output: in
   /// place on the GPU, or out of place for an all-reduce or broadcast (their
@@ -964,10 +971,8 @@ class CudaExecutor final : public GpuExecutor {
   /// daemons over TCP: 4 and 16 MiB 0.78-0.82x in place).
   static bool host_in_place(const GpuCollective& op, int r) {
     if (staged_in_place(op, r)) return true;
-    const Span& s = op.send[static_cast<std::size_t>(r)];
-    const Span& d = op.recv[static_cast<std::size_t>(r)];
     const bool kind = op.kind == OpKind::all_reduce || op.kind == OpKind::broadcast;
-    return kind && s.reg != nullptr && d.reg != nullptr && s.bytes == d.bytes && s.bytes != 0;
+    return kind && same_size_spans(op, r);
   }
 
   /// The first chunk of a pipelined staged operation to reach stage_in
@@ -992,8 +997,7 @@ class CudaExecutor final : public GpuExecutor {
                  "cuStreamWaitValue32 on " + who + "'s ready word");
     }
     const Span& whole = pp.a.send;
-    const std::byte* base =
-        whole.bytes != 0 ? whole.reg->device->data_on(pp.dev) + (whole.ptr - whole.reg->device->data()) : nullptr;
+    const std::byte* base = whole.bytes != 0 ? on_device(whole, pp.dev) : nullptr;
     const auto k = static_cast<std::uint32_t>(pp.a.first.size() - 1);
     for (std::uint32_t i = 0; i < k; ++i) {
       if (base != nullptr) {
@@ -1232,12 +1236,8 @@ class CudaExecutor final : public GpuExecutor {
     // Every span as this GPU addresses it.
     std::vector<std::byte*> send(n, nullptr), recv(n, nullptr);
     for (int r = 0; r < n; ++r) {
-      auto at = [&](const Span& sp) -> std::byte* {
-        if (!sp.reg) return nullptr;
-        return sp.reg->device->data_on(dev) + (sp.ptr - sp.reg->device->data());
-      };
-      send[r] = at(op.send[r]);
-      recv[r] = at(op.recv[r]);
+      send[r] = on_device(op.send[r], dev);
+      recv[r] = on_device(op.recv[r], dev);
     }
     auto reduce = [&](std::vector<const std::byte*> srcs, std::vector<std::byte*> dsts,
                       std::uint64_t count, bool whole = false) {
