@@ -333,6 +333,13 @@ class EngineChannel final : public NodeChannel {
     }
   }
 
+  /// Where chunks of the local ranks' outputs told final go (a staged GPU
+  /// operation copies them back to the GPU early); unset: nowhere.
+  std::function<void(const std::byte*, std::uint64_t)> on_written;
+  void written(const std::byte* p, std::uint64_t bytes) override {
+    if (on_written) on_written(p, bytes);
+  }
+
   void post(int from, std::uint64_t tag, std::span<std::byte> dest) override {
     if (dest.size() < kPlaceMinBytes) return;  // never placed
     const auto key = std::make_tuple(seq_, tag, from);
@@ -918,6 +925,13 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
   Clock::time_point deadline;
   std::vector<Span> keep;  // holds the mappings while the operation runs
   std::vector<std::int32_t> mine;  // split: (rank, color, key) of local ranks
+  std::shared_ptr<gpu::GpuStage> stage;  // a staged GPU operation's host staging
+  struct Out {
+    const std::byte* base;
+    std::uint64_t bytes;
+    int rank;
+  };
+  std::vector<Out> outs;  // the local ranks' output staging
   {
     std::lock_guard lock(mu);
     auto it = comm.slots.find(seq);
@@ -940,12 +954,26 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
       keep.push_back(p.send);
       keep.push_back(p.recv);
       mine.insert(mine.end(), {r, p.color, p.key});
+      if (p.recv.ptr != nullptr) outs.push_back({p.recv.ptr, p.recv.bytes, r});
     }
+    stage = slot.gpu_stage;
   }
   EngineChannel ch(*this, cp, seq, desc, desc_rank, deadline, options.operation_deadline);
   // Sends read the ranks' buffers in place; should the operation fail before
   // they are done, their mappings stay until then.
   ch.keep_alive(std::make_shared<const std::vector<Span>>(keep));
+  if (stage && gpu != nullptr) {
+    // Each chunk of an output that is final goes back to its GPU now, while
+    // the rest of the exchange runs (measured in docs/gpu.md, "Early copies").
+    ch.on_written = [this, stage, outs = std::move(outs)](const std::byte* p, std::uint64_t n) {
+      for (const Out& o : outs) {
+        if (p >= o.base && p + n <= o.base + o.bytes) {
+          gpu->stage_out_early(*stage, o.rank, static_cast<std::uint64_t>(p - o.base), n);
+          return;
+        }
+      }
+    };
+  }
   Code code = Code::ok;
   std::string why;
   std::vector<std::pair<int, int>> color_key;

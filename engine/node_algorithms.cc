@@ -89,6 +89,13 @@ class Algorithms {
         base_(base) {}
 
   int mod(long x) const { return static_cast<int>(((x % n_) + n_) % n_); }
+  /// Whether the buffers the next calls write are the node's one rank's
+  /// output with nothing written after them (NodeChannel::written): each
+  /// chunk is told as it becomes final.
+  void tell_final(bool on) { tell_ = on; }
+  void final(const std::byte* p, std::uint64_t len) {
+    if (tell_ && len != 0) ch_.written(p, len);
+  }
   /// The chunk of a transfer of `total` bytes (transfer_chunk): both ends
   /// compute it from the same segment or buffer.
   std::uint64_t chunk_of(std::uint64_t total) const { return transfer_chunk(total, chunk_); }
@@ -165,6 +172,7 @@ class Algorithms {
         expect_size(m, to - from, left);
         for_pieces(buf, seg, from, to, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
           reduce2(dtype, op, p, m.data() + off, len);
+          if (s + 2 == n_) final(p, len);  // the last step reduces this node's own segment
         });
         if (s + 2 < n_) {
           const auto pieces = pieces_of(buf, seg, from, to);
@@ -194,6 +202,7 @@ class Algorithms {
         if (s + 2 < n_) ch_.send(right, tag_of(base_, phase, s + 1, c), m->data(), m->size, m);
         for_pieces(buf, seg, from, to, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
           std::memcpy(p, m->data() + off, len);
+          final(p, len);
         });
       }
     }
@@ -243,6 +252,11 @@ class Algorithms {
       });
     };
     auto gather = [&](std::uint64_t c, std::uint64_t from, std::uint64_t to) {
+      if (own_out != nullptr) {
+        final(own_out + from, to - from);
+      } else {
+        for_pieces(buf, mine, from, to, [&](std::byte* p, std::uint64_t, std::uint64_t len) { final(p, len); });
+      }
       if (gather_phase == 0) return;
       std::vector<std::span<const std::byte>> pieces;
       if (own_out != nullptr) {
@@ -368,6 +382,7 @@ class Algorithms {
         // Nothing to copy where the transport placed it (post_all_gather).
         for_pieces(buf, segs[j], from, to, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
           copy_bytes(p, m.data() + off, len);
+          final(p, len);
         });
       }
     }
@@ -387,6 +402,7 @@ class Algorithms {
       expect_size(m, total, j);
       for_pieces(buf, segs[j], 0, total, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
         std::memcpy(p, m.data() + off, len);
+        final(p, len);
       });
     }
   }
@@ -424,6 +440,7 @@ class Algorithms {
         NodePayload m = ch_.recv(root, tag_of(base_, phase, 0, 0));
         expect_size(m, bytes, root);
         copy_bytes(buf, m.data(), bytes);
+        final(buf, bytes);
       }
       return;
     }
@@ -451,6 +468,7 @@ class Algorithms {
       expect_size(*m, len, prev);
       if (has_next) ch_.send(next, tag_of(base_, phase, 0, c), m->data(), m->size, m);
       copy_bytes(buf + from, m->data(), len);
+      final(buf + from, len);
     }
   }
 
@@ -468,6 +486,7 @@ class Algorithms {
         NodePayload m = ch_.recv(prev, tag_of(base_, phase, 0, c));
         expect_size(m, len, prev);
         if (len != 0) reduce2(dtype, op, buf + from, m.data(), len);
+        if (pos + 1 == n_) final(buf + from, len);  // the root: reduced over every node
       }
       if (pos + 1 < n_) ch_.send(next, tag_of(base_, phase, 0, c), buf + from, len);
     }
@@ -488,6 +507,7 @@ class Algorithms {
   int n_, i_;
   std::size_t chunk_;
   std::uint64_t base_;
+  bool tell_ = false;
 };
 
 }  // namespace
@@ -615,6 +635,10 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
     });
   };
   Algorithms algo(ch, options, base);
+  // Chunks of the output are told final as they land (NodeChannel::written)
+  // where nothing passes over the whole output afterwards: one rank on the
+  // node (no copies to the others) and not avg (divided at the very end).
+  const bool tell = L.size() == 1 && op.redop != RedOp::avg;
 
   // An operation of zero bytes still meets every other node once, so that a
   // node whose ranks disagree (a non-zero count, another operation) is told.
@@ -633,6 +657,7 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
       const bool one_rank = L.size() == 1 && !use_direct(one, options) && use_pairwise(n, options) &&
                             segs[me].size() <= 1;
       if (!one_rank) local_reduce(w, one);
+      algo.tell_final(tell);
       if (use_direct(one, options)) {
         if (n > 1) algo.direct_all_reduce(w, one, op.dtype, combine, 1);
       } else if (use_pairwise(n, options)) {
@@ -673,7 +698,9 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
         pass(one * L.size(), [&] {
           for (const auto& b : L) copy_bytes(w + b.rank * one, b.send, one);
         });
+        if (tell) ch.written(w + L[0].rank * one, one);
       };
+      algo.tell_final(tell);
       if (L.size() == 1 && !use_direct(one * op.nranks, options) && use_pairwise(n, options)) {
         // One rank: its input goes out from where it is, and its copy into
         // the output overlaps the exchange.
@@ -699,6 +726,7 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
       if (L.size() == 1 && use_pairwise(n, options)) {
         // One rank: its input is read in place and its segment reduced
         // straight into its output (no scratch, no copies).
+        algo.tell_final(tell);
         algo.pairwise_reduce_scatter(L[0].send, rank_segments(op.node_of_rank, one, n), op.dtype,
                                      combine, 1, L[0].recv);
         finish_avg(L[0].recv, one);
@@ -729,6 +757,7 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
       } else {
         src = L[0].recv;
       }
+      algo.tell_final(tell && root_node != me);  // the root node only sends
       algo.broadcast(src, one, root_node, use_direct(one, options), 1);
       pass(one * L.size(), [&] {
         for (const auto& b : L) copy_bytes(b.recv, src, one);
@@ -746,6 +775,7 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
         t = ch.scratch(one);
       }
       local_reduce(t, one);
+      algo.tell_final(tell && root_node == me);  // elsewhere `t` is scratch
       algo.chain_reduce(t, one, root_node, op.dtype, combine, 1);
       if (root_node == me) finish_avg(t, one);
       return;

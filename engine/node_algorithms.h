@@ -115,6 +115,14 @@ class NodeChannel {
     (void)from, (void)tag, (void)dest;
   }
 
+  /// Bytes [p, p + bytes) of a local rank's output are final: the operation
+  /// wrote them and will neither write nor move them again. Told only where
+  /// the node has one rank and no pass over the whole output follows (not
+  /// avg, whose division comes last), as chunks land. A staged GPU operation
+  /// copies them back to the GPU at once, overlapping the rest of the
+  /// exchange (the engine's channel); others ignore it. Default: nothing.
+  virtual void written(const std::byte* p, std::uint64_t bytes) { (void)p, (void)bytes; }
+
   void send(int to, std::uint64_t tag, const void* data, std::size_t bytes,
             std::shared_ptr<const void> owner = nullptr) {
     const std::span<const std::byte> one(static_cast<const std::byte*>(data), bytes);

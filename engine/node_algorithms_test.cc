@@ -131,6 +131,15 @@ class MemChannel final : public NodeChannel {
     return scratch_.data();
   }
   bool flushed() const { return pending_.empty(); }
+  /// What written() was told: where, and the bytes there at that moment.
+  struct Told {
+    const std::byte* p;
+    std::vector<std::byte> bytes;
+  };
+  void written(const std::byte* p, std::uint64_t bytes) override {
+    told.push_back({p, std::vector<std::byte>(p, p + bytes)});
+  }
+  std::vector<Told> told;
 
  private:
   struct Pending {
@@ -197,6 +206,8 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
   }
   Fabric fabric(nodes);
   std::vector<std::string> errors(nodes);
+  std::vector<std::vector<MemChannel::Told>> told(nodes);
+  std::vector<std::vector<LocalBuffers>> locals(nodes);
   std::atomic<int> passes{0};
   std::vector<std::thread> threads;
   for (int j = 0; j < nodes; ++j) {
@@ -227,7 +238,9 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
           if (c.kind == OpKind::reduce && r != c.root) b.recv = nullptr;
           op.local.push_back(b);
         }
+        locals[j] = op.local;
         run_node_collective(ch, op, o, 1000);
+        told[j] = std::move(ch.told);
         if (!ch.flushed()) errors[j] = "returned with sends outstanding";
         if (!ch.drained()) errors[j] = "returned with passes running";
         passes += ch.passes();
@@ -253,6 +266,44 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
     if (c.redop == RedOp::avg) acc = static_cast<std::int32_t>(acc) / nranks;
     return static_cast<std::int32_t>(acc);
   };
+  // What was told final (NodeChannel::written) lies in the node's one
+  // rank's output, once, and already held the final bytes; with one rank per
+  // node and no final division, the whole output is told except where the
+  // node only sends (broadcast root, reduce off the root) or the exchange is
+  // direct (all-reduce; told as a whole or not at all elsewhere).
+  for (int j = 0; j < nodes; ++j) {
+    CAPTURE(j);
+    if (locals[j].size() != 1 || c.redop == RedOp::avg) {
+      CHECK(told[j].empty());
+      continue;
+    }
+    const LocalBuffers& b = locals[j][0];
+    std::vector<std::pair<const std::byte*, std::uint64_t>> ranges;
+    std::uint64_t sum = 0;
+    for (const auto& t : told[j]) {
+      REQUIRE(b.recv != nullptr);
+      REQUIRE(t.p >= b.recv);
+      REQUIRE(t.p + t.bytes.size() <= b.recv + b.recv_bytes);
+      CHECK(std::memcmp(t.p, t.bytes.data(), t.bytes.size()) == 0);
+      ranges.emplace_back(t.p, t.bytes.size());
+      sum += t.bytes.size();
+    }
+    std::sort(ranges.begin(), ranges.end());
+    for (std::size_t k = 1; k < ranges.size(); ++k) {
+      CHECK(ranges[k - 1].first + ranges[k - 1].second <= ranges[k].first);
+    }
+    const int root_node = node_of_rank[c.root];
+    const bool ring_scatter = c.kind == OpKind::reduce_scatter && o.pairwise_max_nodes < nodes;
+    const bool direct_reduce = c.kind == OpKind::all_reduce && one <= o.direct_max_bytes;
+    const bool sends_only = (c.kind == OpKind::broadcast && root_node == j) ||
+                            (c.kind == OpKind::reduce && root_node != j);
+    if (c.kind == OpKind::all_to_all || c.kind == OpKind::barrier || ring_scatter ||
+        direct_reduce || sends_only || one == 0) {
+      CHECK(sum == 0);
+    } else {
+      CHECK(sum == b.recv_bytes);
+    }
+  }
   if (c.kind == OpKind::barrier) return passes;
   int bad = 0;
   for (int r = 0; r < nranks; ++r) {

@@ -177,6 +177,16 @@ class GpuExecutor {
   /// use the same value.
   virtual std::uint64_t stage_chunk_bytes() const = 0;
 
+  /// Across nodes, during the host collective: bytes [offset, offset +
+  /// bytes) of local rank `rank`'s output staging (stage.recv[rank]) are
+  /// final (NodeChannel::written). Enqueues their copy back to the GPU at
+  /// once, so that it overlaps the rest of the exchange; stage_out then
+  /// copies only the rest. Called from the thread that runs the host
+  /// collective, never for overlapping ranges; never blocks on the GPU.
+  /// Ignored where the output is not copied back (and by default).
+  virtual void stage_out_early(GpuStage& stage, int rank, std::uint64_t offset, std::uint64_t bytes) {
+    (void)stage, (void)rank, (void)offset, (void)bytes;
+  }
   /// Across nodes, step 2: the host collective filled stage->recv; enqueues
   /// the copies back to the GPU buffers and the release of every local rank's
   /// stream; `done` runs once when the GPU finished (or at the deadline).

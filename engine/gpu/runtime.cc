@@ -380,11 +380,44 @@ struct Pending {
   bool releases_done = true;  // the op writes the ranks' done words (not stage_in)
 };
 
+/// A staged operation whose outputs were partly copied back early
+/// (stage_out_early) and that ended without stage_out (it failed): the GPU
+/// may still be copying from the staging into the ranks' outputs. The reaper
+/// waits for those copies before the staging is reused and before the ranks'
+/// streams are released from the CPU (the last RankSync holder does that).
+struct EarlyLeftovers {
+  std::vector<std::shared_ptr<RankSync>> syncs;  // destroyed last
+  std::shared_ptr<PinnedPool> pool;
+  std::vector<std::pair<std::byte*, std::uint64_t>> blocks;
+  std::vector<std::pair<int, cudaEvent_t>> events;
+  ~EarlyLeftovers() {
+    for (auto& [dev, e] : events) {
+      cudaSetDevice(dev);
+      cudaEventSynchronize(e);
+      cudaEventDestroy(e);
+    }
+    for (auto& [p, bytes] : blocks) pool->give(p, bytes);
+  }
+};
+
 /// A staged operation (across nodes): pinned host buffers per local rank.
 class Stage final : public GpuStage {
  public:
-  explicit Stage(std::shared_ptr<PinnedPool> pool) : pool_(std::move(pool)) {}
+  Stage(std::shared_ptr<PinnedPool> pool, std::shared_ptr<Graveyard> graveyard)
+      : pool_(std::move(pool)), graveyard_(std::move(graveyard)) {}
   ~Stage() override {
+    if (!early_events.empty() && !out_issued) {
+      auto l = std::make_shared<EarlyLeftovers>();
+      l->syncs = std::move(op.sync);
+      l->pool = pool_;
+      l->blocks = std::move(blocks_);
+      l->events = std::move(early_events);
+      graveyard_->bury(std::move(l));
+      return;
+    }
+    // stage_out's copies came after the early ones on the same streams, and
+    // the stage lives until they are done.
+    for (auto& [dev, e] : early_events) cudaEventDestroy(e);
     for (auto& [p, bytes] : blocks_) pool_->give(p, bytes);
   }
   Span take(std::uint64_t bytes) {
@@ -396,9 +429,15 @@ class Stage final : public GpuStage {
   }
   GpuCollective op;
   std::size_t slot = 0;
+  /// By rank: (offset, bytes) of its output copied back early, and one
+  /// event per device recorded after the latest of those copies.
+  std::vector<std::vector<std::pair<std::uint64_t, std::uint64_t>>> early;
+  std::vector<std::pair<int, cudaEvent_t>> early_events;
+  bool out_issued = false;  // stage_out enqueued the rest
 
  private:
   std::shared_ptr<PinnedPool> pool_;
+  std::shared_ptr<Graveyard> graveyard_;
   std::vector<std::pair<std::byte*, std::uint64_t>> blocks_;
 };
 
@@ -769,9 +808,10 @@ class CudaExecutor final : public GpuExecutor {
                                      std::function<void(Code, std::string)> ready) override {
     require();
     const int n = static_cast<int>(op.sync.size());
-    auto st = std::make_shared<Stage>(pinned_);
+    auto st = std::make_shared<Stage>(pinned_, graveyard_);
     st->send.resize(n);
     st->recv.resize(n);
+    st->early.resize(n);
     st->slot = std::hash<std::string>{}(op.comm) % kStreamsPerDevice;
     Pending p;
     p.done = std::move(ready);
@@ -919,9 +959,19 @@ class CudaExecutor final : public GpuExecutor {
                  "copy of broadcast root " + op.who[r] + "'s input to its output");
       }
       if (gr.bytes != 0 && !unwritten) {
-        check_rt(cudaMemcpyAsync(on_device(gr, dev), st->recv[r].ptr, gr.bytes,
-                                 cudaMemcpyHostToDevice, stream),
-                 "copy of " + op.who[r] + "'s output from host staging");
+        // What stage_out_early did not copy yet.
+        auto copied = st->early[r];
+        std::sort(copied.begin(), copied.end());
+        std::uint64_t at = 0;
+        copied.emplace_back(gr.bytes, 0);
+        for (const auto& [off, len] : copied) {
+          if (off > at) {
+            check_rt(cudaMemcpyAsync(on_device(gr, dev) + at, st->recv[r].ptr + at, off - at,
+                                     cudaMemcpyHostToDevice, stream),
+                     "copy of " + op.who[r] + "'s output from host staging");
+          }
+          at = std::max(at, off + len);
+        }
       }
       if (op.hold) {
         // A send/recv group: its stream is released from the CPU once every
@@ -942,11 +992,46 @@ class CudaExecutor final : public GpuExecutor {
       check_rt(cudaEventRecord(tail, stream), "cudaEventRecord");
       p.tails.emplace_back(dev, tail);
     }
+    st->out_issued = true;
     p.syncs = op.sync;
     p.keep = std::move(gstage);
     pending_.push_back(std::move(p));
     ++generation_;
     cv_.notify_one();
+  }
+
+  void stage_out_early(GpuStage& gstage, int r, std::uint64_t offset, std::uint64_t bytes) override {
+    auto& st = static_cast<Stage&>(gstage);
+    const GpuCollective& op = st.op;
+    if (r < 0 || r >= static_cast<int>(op.sync.size()) || bytes == 0 || op.hold) return;
+    const auto* s = static_cast<const Sync*>(op.sync[r].get());
+    if (s == nullptr || s->pipe) return;
+    const Span& gr = op.recv[r];
+    const bool unwritten = (op.kind == OpKind::reduce && r != op.root) ||
+                           (op.kind == OpKind::broadcast && r == op.root);
+    if (unwritten || gr.reg == nullptr || st.recv[r].ptr == nullptr || offset > gr.bytes ||
+        bytes > gr.bytes - offset) {
+      return;
+    }
+    const int dev = gr.reg->device->device();
+    std::lock_guard lock(mu_);
+    cudaSetDevice(dev);
+    // The out stream: never behind a stream that waits for a client's next
+    // input. The exchange began after every rank's input was copied in, so
+    // after its stream reached the operation: its output is ours to write.
+    cudaStream_t stream = devices_[dev].out_streams[st.slot];
+    check_rt(cudaMemcpyAsync(on_device(gr, dev) + offset, st.recv[r].ptr + offset, bytes,
+                             cudaMemcpyHostToDevice, stream),
+             "early copy of " + op.who[r] + "'s output from host staging");
+    auto e = std::find_if(st.early_events.begin(), st.early_events.end(),
+                          [&](const auto& de) { return de.first == dev; });
+    if (e == st.early_events.end()) {
+      cudaEvent_t ev = nullptr;
+      check_rt(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+      e = st.early_events.insert(st.early_events.end(), {dev, ev});
+    }
+    check_rt(cudaEventRecord(e->second, stream), "cudaEventRecord");
+    st.early[r].emplace_back(offset, bytes);
   }
 
  private:
