@@ -884,6 +884,22 @@ struct Engine::Impl {
     const std::uint64_t seq = slot.seq;
     std::weak_ptr<Comm> weak = cp;
     slot.stage_queued = Clock::now();
+    {
+      // Where the host collective waits for each piece of the input before
+      // it reads it, the exchange starts once the first piece is in and the
+      // copies of the others overlap it: pieces of an eighth of the input,
+      // at least 512 KiB (a copy of less runs below the link's speed, and
+      // each piece costs a copy call and an event under the lock).
+      int local = 0;
+      for (const auto& s : op.sync) local += s ? 1 : 0;
+      const std::uint64_t one = op.count * dtype_size(op.dtype);
+      if (reads_input_in_pieces(op.kind, one, cp->nranks, local,
+                                static_cast<int>(cp->node_address.size()), algorithms)) {
+        const std::uint64_t in = one * (op.kind == OpKind::reduce_scatter ? cp->nranks : 1);
+        constexpr std::uint64_t kMinPiece = std::uint64_t{512} << 10, kAlign = std::uint64_t{64} << 10;
+        op.in_piece_bytes = std::max(kMinPiece, (in / 8 + kAlign - 1) / kAlign * kAlign);
+      }
+    }
     try {
       slot.gpu_stage = gpu->stage_in(std::move(op), [this, weak, seq](Code code, std::string why) {
         auto comm = weak.lock();

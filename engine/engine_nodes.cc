@@ -333,6 +333,51 @@ class EngineChannel final : public NodeChannel {
     }
   }
 
+  /// A staged GPU operation's inputs, arriving in pieces (GpuStage::in):
+  /// where each local rank's input staging lies. Null: all there.
+  std::shared_ptr<gpu::InPieces> in_pieces;
+  struct Input {
+    const std::byte* base;
+    std::uint64_t bytes;
+  };
+  std::vector<Input> inputs;
+  void reading(const std::byte* p, std::uint64_t bytes) override {
+    if (!in_pieces) return;
+    std::uint32_t need = 0;
+    for (const Input& i : inputs) {
+      if (p >= i.base && p + bytes <= i.base + i.bytes) {
+        const std::uint64_t end = static_cast<std::uint64_t>(p - i.base) + bytes;
+        need = static_cast<std::uint32_t>((end + in_pieces->piece - 1) / in_pieces->piece);
+        break;
+      }
+    }
+    while (in_pieces->reached.load(std::memory_order_acquire) < need) {
+      if (in_pieces->failed.load(std::memory_order_acquire)) {
+        auto [code, why] = in_pieces->error();
+        throw Error(code, "copying the input of a local rank to host memory on node " +
+                              I_.options.node_name + ": " + why);
+      }
+      {
+        std::lock_guard lock(I_.mu);
+        Inbox& in = *comm_->inbox;
+        if (auto f = in.failed.find(seq_); f != in.failed.end()) {
+          remote_failure = true;
+          throw Error(f->second.code, f->second.message);
+        }
+        if (I_.stopping) {
+          throw Error(Code::aborted, "collectived on node " + I_.options.node_name + " is stopping");
+        }
+      }
+      if (Clock::now() >= deadline_) {
+        throw Error(Code::timeout, "timed out after " + std::to_string(budget_.count()) +
+                                       " ms (deadlines.operation_ms) on node " + I_.options.node_name +
+                                       " waiting for the input of its ranks to reach host memory");
+      }
+      // Until the completion thread sees the next piece in (InPieces::on_change).
+      Executor::wait(*comm_->exec);
+    }
+  }
+
   /// Where chunks of the local ranks' outputs told final go (a staged GPU
   /// operation copies them back to the GPU early); unset: nowhere.
   std::function<void(const std::byte*, std::uint64_t)> on_written;
@@ -932,6 +977,7 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
     int rank;
   };
   std::vector<Out> outs;  // the local ranks' output staging
+  std::vector<EngineChannel::Input> ins;  // their input staging
   {
     std::lock_guard lock(mu);
     auto it = comm.slots.find(seq);
@@ -955,6 +1001,7 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
       keep.push_back(p.recv);
       mine.insert(mine.end(), {r, p.color, p.key});
       if (p.recv.ptr != nullptr) outs.push_back({p.recv.ptr, p.recv.bytes, r});
+      if (p.send.ptr != nullptr) ins.push_back({p.send.ptr, p.send.bytes});
     }
     stage = slot.gpu_stage;
   }
@@ -962,6 +1009,16 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
   // Sends read the ranks' buffers in place; should the operation fail before
   // they are done, their mappings stay until then.
   ch.keep_alive(std::make_shared<const std::vector<Span>>(keep));
+  if (stage && stage->in) {
+    // The inputs are still arriving, piece by piece: the algorithm waits for
+    // each before it reads it (NodeChannel::reading), woken from the GPU
+    // executor's completion thread.
+    ch.in_pieces = stage->in;
+    ch.inputs = std::move(ins);
+    stage->in->on_change([weak = std::weak_ptr<Executor>(cp->exec)] {
+      if (auto ex = weak.lock()) Executor::wake(ex);
+    });
+  }
   if (stage && gpu != nullptr) {
     // Each chunk of an output that is final goes back to its GPU now, while
     // the rest of the exchange runs (measured in docs/gpu.md, "Early copies").
@@ -1014,6 +1071,7 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
     why = e.what();
   }
   ch.retract();  // no receive writes into the ranks' buffers past this point
+  if (stage && stage->in) stage->in->on_change(nullptr);
   keep.clear();
   std::vector<Delivery> out;
   std::vector<std::function<void()>> next;

@@ -96,6 +96,16 @@ class Algorithms {
   void final(const std::byte* p, std::uint64_t len) {
     if (tell_ && len != 0) ch_.written(p, len);
   }
+  /// Whether the input is read in pieces (reads_input_in_pieces): every read
+  /// of it waits for its bytes first (NodeChannel::reading).
+  void guard_input(bool on) { guard_ = on; }
+  void need(const std::byte* p, std::uint64_t len) {
+    if (guard_ && len != 0) ch_.reading(p, len);
+  }
+  void need(std::byte* buf, const Segment& seg, std::uint64_t from, std::uint64_t to) {
+    if (!guard_) return;
+    for_pieces(buf, seg, from, to, [&](std::byte* p, std::uint64_t, std::uint64_t len) { need(p, len); });
+  }
   /// The chunk of a transfer of `total` bytes (transfer_chunk): both ends
   /// compute it from the same segment or buffer.
   std::uint64_t chunk_of(std::uint64_t total) const { return transfer_chunk(total, chunk_); }
@@ -295,6 +305,7 @@ class Algorithms {
           (*in)[j] = ch_.recv(j, tag_of(base_, phase, static_cast<std::uint64_t>(j), c));
           expect_size((*in)[j], to - from, j);
         }
+        need(buf, mine, from, to);  // this node's own contribution to the chunk
         if (window <= 1) {
           reduce_chunk(*in, from, to);
           gather(c, from, to);
@@ -433,6 +444,7 @@ class Algorithms {
   void broadcast(std::byte* buf, std::uint64_t bytes, int root, bool direct, std::uint64_t phase) {
     if (direct) {
       if (i_ == root) {
+        need(buf, bytes);
         for (int j = 0; j < n_; ++j) {
           if (j != i_) ch_.send(j, tag_of(base_, phase, 0, 0), buf, bytes);
         }
@@ -461,6 +473,7 @@ class Algorithms {
       const auto [from, to] = chunk_span(bytes, c);
       const std::uint64_t len = to - from;
       if (pos == 0) {
+        need(buf + from, len);
         ch_.send(next, tag_of(base_, phase, 0, c), buf + from, len);
         continue;
       }
@@ -499,6 +512,7 @@ class Algorithms {
     for (std::uint64_t c = 0; c < chunks(total); ++c) {
       const auto [from, to_byte] = chunk_span(total, c);
       const auto pieces = pieces_of(buf, seg, from, to_byte);
+      for (const auto& piece : pieces) need(piece.data(), piece.size());
       ch_.send(to, tag_of(base_, phase, step, c), pieces, nullptr);
     }
   }
@@ -508,6 +522,7 @@ class Algorithms {
   std::size_t chunk_;
   std::uint64_t base_;
   bool tell_ = false;
+  bool guard_ = false;
 };
 
 }  // namespace
@@ -556,6 +571,19 @@ std::vector<Segment> rank_segments(const std::vector<int>& node_of_rank, std::ui
 }
 
 }  // namespace
+
+bool reads_input_in_pieces(OpKind kind, std::uint64_t bytes, int nranks, int local_ranks, int nodes,
+                           const NodeAlgorithmOptions& options) {
+  if (local_ranks != 1 || nodes < 2 || bytes == 0) return false;
+  switch (kind) {
+    case OpKind::all_reduce: return !use_direct(bytes, options) && use_pairwise(nodes, options);
+    case OpKind::all_gather:
+      return !use_direct(bytes * static_cast<std::uint64_t>(nranks), options) && use_pairwise(nodes, options);
+    case OpKind::reduce_scatter: return use_pairwise(nodes, options);
+    case OpKind::broadcast: return true;
+    default: return false;
+  }
+}
 
 std::string node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
                            const NodeAlgorithmOptions& options) {
@@ -639,6 +667,9 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
   // where nothing passes over the whole output afterwards: one rank on the
   // node (no copies to the others) and not avg (divided at the very end).
   const bool tell = L.size() == 1 && op.redop != RedOp::avg;
+  // The input may still be arriving: every read of it waits for its bytes.
+  const bool in_pieces = reads_input_in_pieces(op.kind, one, op.nranks, static_cast<int>(L.size()), n, options);
+  algo.guard_input(in_pieces);
 
   // An operation of zero bytes still meets every other node once, so that a
   // node whose ranks disagree (a non-zero count, another operation) is told.
@@ -695,6 +726,7 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
       std::byte* w = L[0].recv;
       const auto segs = rank_segments(op.node_of_rank, one, n);
       auto copy_own = [&] {
+        if (in_pieces) ch.reading(L[0].send, one);
         pass(one * L.size(), [&] {
           for (const auto& b : L) copy_bytes(w + b.rank * one, b.send, one);
         });

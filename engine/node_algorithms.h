@@ -123,6 +123,16 @@ class NodeChannel {
   /// exchange (the engine's channel); others ignore it. Default: nothing.
   virtual void written(const std::byte* p, std::uint64_t bytes) { (void)p, (void)bytes; }
 
+  /// Bytes [p, p + bytes) of a local rank's input are read next (sent,
+  /// reduced, copied): returns once they are there. Called before every read
+  /// of an input where reads_input_in_pieces() says so, and only there. A
+  /// staged GPU operation of that shape starts its exchange once the first
+  /// piece of every input reached host memory and copies the rest meanwhile;
+  /// this waits for the pieces that cover the range (the engine's channel).
+  /// Throws Error at the deadline or when the copies failed. Default: they
+  /// are there.
+  virtual void reading(const std::byte* p, std::uint64_t bytes) { (void)p, (void)bytes; }
+
   void send(int to, std::uint64_t tag, const void* data, std::size_t bytes,
             std::shared_ptr<const void> owner = nullptr) {
     const std::span<const std::byte> one(static_cast<const std::byte*>(data), bytes);
@@ -160,6 +170,15 @@ std::uint64_t transfer_chunk(std::uint64_t total, std::uint64_t chunk);
 /// Which algorithm an operation of `bytes` per rank uses between `nodes` nodes
 /// ("ring", "direct", "chain", "exchange", "none"); for logs, status and tests.
 std::string node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
+                           const NodeAlgorithmOptions& options);
+
+/// Whether run_node_collective, for an operation of this shape, calls
+/// NodeChannel::reading before every read of its local rank's input, piece
+/// by piece in the order it reads them, so that the input may still be
+/// arriving when it starts: one rank on the node, and the pairwise
+/// all-reduce, all-gather and reduce-scatter, or a broadcast. `bytes`: count
+/// x element size of one rank.
+bool reads_input_in_pieces(OpKind kind, std::uint64_t bytes, int nranks, int local_ranks, int nodes,
                            const NodeAlgorithmOptions& options);
 
 /// A local rank's buffers for one operation (null/0 where it has none).

@@ -140,6 +140,36 @@ class MemChannel final : public NodeChannel {
     told.push_back({p, std::vector<std::byte>(p, p + bytes)});
   }
   std::vector<Told> told;
+  /// An input that arrives in pieces, as a staged GPU operation's does: it
+  /// starts poisoned and reading() puts back the pieces (of `piece` bytes)
+  /// that cover the range, each once. A read that was not announced reads
+  /// poison, and the reference check fails.
+  struct Lazy {
+    std::byte* at;
+    std::vector<std::byte> real;
+    std::vector<bool> in;
+  };
+  void lazy_input(std::byte* at, std::uint64_t bytes, std::uint64_t piece) {
+    piece_ = piece;
+    Lazy l{at, std::vector<std::byte>(at, at + bytes), std::vector<bool>((bytes + piece - 1) / piece)};
+    std::memset(at, 0x5A, bytes);
+    lazy_.push_back(std::move(l));
+  }
+  void reading(const std::byte* p, std::uint64_t bytes) override {
+    for (auto& l : lazy_) {
+      if (p < l.at || p + bytes > l.at + l.real.size()) continue;
+      const std::uint64_t a = static_cast<std::uint64_t>(p - l.at);
+      for (std::uint64_t k = a / piece_; k * piece_ < a + bytes; ++k) {
+        if (l.in[k]) continue;
+        l.in[k] = true;
+        const std::uint64_t from = k * piece_, len = std::min<std::uint64_t>(piece_, l.real.size() - from);
+        std::memcpy(l.at + from, l.real.data() + from, len);
+      }
+      return;
+    }
+    stray_reads++;
+  }
+  int stray_reads = 0;  // reading() of bytes that are no input
 
  private:
   struct Pending {
@@ -169,6 +199,8 @@ class MemChannel final : public NodeChannel {
   int async_ = 0, waited_ = 0;
   std::vector<Pending> pending_;
   std::vector<std::byte> scratch_;
+  std::vector<Lazy> lazy_;
+  std::uint64_t piece_ = 1;
 };
 
 std::int32_t input(int rank, std::uint64_t i) {
@@ -239,7 +271,13 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
           op.local.push_back(b);
         }
         locals[j] = op.local;
+        if (reads_input_in_pieces(op.kind, one, nranks, static_cast<int>(op.local.size()), nodes, o)) {
+          // 52 bytes: pieces that straddle chunks and elements alike.
+          const auto& b = op.local[0];
+          ch.lazy_input(b.send, wide_send ? nranks * one : one, 52);
+        }
         run_node_collective(ch, op, o, 1000);
+        if (ch.stray_reads != 0) errors[j] = "reading() of bytes that are no input";
         told[j] = std::move(ch.told);
         if (!ch.flushed()) errors[j] = "returned with sends outstanding";
         if (!ch.drained()) errors[j] = "returned with passes running";

@@ -4,15 +4,18 @@
 // with CUDA, runtime_none.cc without) by main().
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "engine/dtype.h"
 #include "engine/op.h"
 #include "engine/registry.h"
+#include "ipc/error.h"
 #include "ipc/fd.h"
 
 namespace collectived::engine {
@@ -84,6 +87,60 @@ struct GpuCollective {
   /// it (after every item's GPU work). Used with kind p2p: run() copies
   /// send[0] to recv[1]; stage_in/stage_out stage one item of one rank.
   bool hold = false;
+  /// Across nodes (stage_in): copy each rank's input to the host in pieces
+  /// of about this many bytes and answer `ready` once the first piece of
+  /// every rank is in; the engine's host collective then waits for each
+  /// piece before it reads it (GpuStage::in). 0: whole inputs before `ready`.
+  std::uint64_t in_piece_bytes = 0;
+};
+
+/// A staged operation's inputs arriving in pieces (GpuCollective::
+/// in_piece_bytes): piece k of each local rank's input staging is bytes
+/// [k * piece, (k + 1) * piece). Written by the executor's completion
+/// thread, read by the thread that runs the host collective.
+struct InPieces {
+  std::uint64_t piece = 0;
+  std::uint32_t count = 0;
+  /// Pieces 0 .. reached-1 of every rank are in host memory (piece 0 is in
+  /// before `ready` runs).
+  std::atomic<std::uint32_t> reached{1};
+  /// Set where a piece failed (deadline, GPU error): the operation fails.
+  std::atomic<bool> failed{false};
+
+  /// Called once the pieces up to k are in, or with the error.
+  void arrived(std::uint32_t k, Code code, const std::string& why) {
+    std::function<void()> w;
+    {
+      std::lock_guard lock(mu_);
+      if (code != Code::ok) {
+        if (!failed.load()) {
+          code_ = code;
+          why_ = why;
+          failed.store(true, std::memory_order_release);
+        }
+      } else if (k + 1 > reached.load()) {
+        reached.store(k + 1, std::memory_order_release);
+      }
+      w = wake_;
+    }
+    if (w) w();
+  }
+  /// What to call when `reached` or `failed` changes (the host collective's
+  /// executor).
+  void on_change(std::function<void()> wake) {
+    std::lock_guard lock(mu_);
+    wake_ = std::move(wake);
+  }
+  std::pair<Code, std::string> error() {
+    std::lock_guard lock(mu_);
+    return {code_, why_};
+  }
+
+ private:
+  std::mutex mu_;
+  std::function<void()> wake_;
+  Code code_ = Code::ok;
+  std::string why_;
 };
 
 /// Host staging of one GPU collective on a communicator spanning nodes: pinned
@@ -98,6 +155,9 @@ class GpuStage {
   /// What the engine's host spans point their `reg` at (aliasing the stage's
   /// lifetime): an operation running on the staging keeps it alive.
   Registration host{};
+  /// Set where the inputs arrive in pieces (GpuCollective::in_piece_bytes);
+  /// null: every input was in host memory before `ready`.
+  std::shared_ptr<InPieces> in;
 };
 
 /// One rank's GPU collective on a communicator spanning nodes, cut into

@@ -840,6 +840,33 @@ class CudaExecutor final : public GpuExecutor {
       st->recv[r] = st->take(op.recv[r].bytes);
       st->send[r] = host_in_place(op, r) ? st->recv[r] : st->take(op.send[r].bytes);
     }
+    // Inputs in pieces (GpuCollective::in_piece_bytes): every rank that
+    // copies an input copies one of the same size, none is a chunk of a
+    // pipelined operation, and there are at least two pieces.
+    auto copies_input = [&](int r) {
+      return op.sync[r] && op.send[r].bytes != 0 && !(op.kind == OpKind::broadcast && r != op.root);
+    };
+    std::uint64_t piece = 0, in_bytes = 0;
+    std::uint32_t pieces = 1;
+    if (op.in_piece_bytes != 0 && !op.hold) {
+      bool uniform = true;
+      for (int r = 0; r < n; ++r) {
+        if (op.sync[r] && static_cast<Sync*>(op.sync[r].get())->pipe) uniform = false;
+        if (!copies_input(r)) continue;
+        if (in_bytes == 0) in_bytes = op.send[r].bytes;
+        uniform = uniform && op.send[r].bytes == in_bytes;
+      }
+      if (uniform && in_bytes > op.in_piece_bytes) {
+        piece = op.in_piece_bytes;
+        pieces = static_cast<std::uint32_t>((in_bytes + piece - 1) / piece);
+        st->in = std::make_shared<InPieces>();
+        st->in->piece = piece;
+        st->in->count = pieces;
+      }
+    }
+    // Piece k >= 1 of every rank: an operation of its own for the completion
+    // thread, which tells st->in when it is in.
+    std::vector<Pending> later(pieces > 1 ? pieces - 1 : 0);
     std::lock_guard lock(mu_);
     auto take_event = [&](int dev) {
       cudaEvent_t e = take_event_locked(dev);
@@ -876,10 +903,38 @@ class CudaExecutor final : public GpuExecutor {
                    "cuStreamWaitValue32 on " + op.who[r] + "'s ready word");
       }
       // A broadcast's input is read at its root only.
-      if (gs.bytes != 0 && !(op.kind == OpKind::broadcast && r != op.root)) {
+      if (copies_input(r)) {
         const std::byte* src = on_device(gs, dev);
-        check_rt(cudaMemcpyAsync(st->send[r].ptr, src, gs.bytes, cudaMemcpyDeviceToHost, stream),
+        // In pieces, each followed by an event: the exchange starts after
+        // the first and reads each later one once its event is reached, so
+        // the copy overlaps the exchange.
+        for (std::uint32_t k = 1; k < pieces; ++k) {
+          const std::uint64_t at = (k - 1) * piece;
+          check_rt(cudaMemcpyAsync(st->send[r].ptr + at, src + at, piece, cudaMemcpyDeviceToHost, stream),
+                   "copy of " + op.who[r] + "'s input to host staging (piece " + std::to_string(k - 1) + ")");
+          if (k == 1) {
+            cudaEvent_t first = take_event(dev);
+            check_rt(cudaEventRecord(first, stream), "cudaEventRecord");
+            p.tails.emplace_back(dev, first);
+          } else {
+            cudaEvent_t e = take_event_locked(dev);
+            later[k - 2].events.emplace_back(dev, e);
+            check_rt(cudaEventRecord(e, stream), "cudaEventRecord");
+            later[k - 2].tails.emplace_back(dev, e);
+          }
+        }
+        const std::uint64_t at = (pieces - 1) * piece;
+        check_rt(cudaMemcpyAsync(st->send[r].ptr + at, src + at, gs.bytes - at, cudaMemcpyDeviceToHost, stream),
                  "copy of " + op.who[r] + "'s input to host staging");
+        if (pieces > 1) {
+          cudaEvent_t e = take_event_locked(dev);
+          later.back().events.emplace_back(dev, e);
+          check_rt(cudaEventRecord(e, stream), "cudaEventRecord");
+          later.back().tails.emplace_back(dev, e);
+          p.spans.push_back(gs);
+          p.spans.push_back(gr);
+          continue;
+        }
       }
       cudaEvent_t tail = take_event(dev);
       check_rt(cudaEventRecord(tail, stream), "cudaEventRecord");
@@ -888,9 +943,19 @@ class CudaExecutor final : public GpuExecutor {
       p.spans.push_back(gr);
     }
     p.syncs = op.sync;
+    const Clock::time_point deadline = op.deadline;
     st->op = std::move(op);
     p.keep = st;
+    for (std::uint32_t k = 0; k + 1 < pieces; ++k) {
+      Pending& q = later[k];
+      q.deadline = deadline;
+      q.releases_done = false;
+      q.spans = p.spans;  // the inputs' mappings stay open until their last piece is in
+      q.keep = st;        // and the staging stays ours
+      q.done = [in = st->in, k](Code code, std::string why) { in->arrived(k + 1, code, why); };
+    }
     pending_.push_back(std::move(p));
+    for (auto& q : later) pending_.push_back(std::move(q));
     ++generation_;
     cv_.notify_one();
     return st;
