@@ -898,6 +898,8 @@ struct Engine::Impl {
         const std::uint64_t in = one * (op.kind == OpKind::reduce_scatter ? cp->nranks : 1);
         constexpr std::uint64_t kMinPiece = std::uint64_t{512} << 10, kAlign = std::uint64_t{64} << 10;
         op.in_piece_bytes = std::max(kMinPiece, (in / 8 + kAlign - 1) / kAlign * kAlign);
+        op.in_first_byte = first_input_read(op.kind, op.count, op.dtype, cp->node_of_rank, cp->my_node,
+                                            static_cast<int>(cp->node_address.size()));
       }
     }
     try {

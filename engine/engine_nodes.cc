@@ -346,8 +346,8 @@ class EngineChannel final : public NodeChannel {
     std::uint32_t need = 0;
     for (const Input& i : inputs) {
       if (p >= i.base && p + bytes <= i.base + i.bytes) {
-        const std::uint64_t end = static_cast<std::uint64_t>(p - i.base) + bytes;
-        need = static_cast<std::uint32_t>((end + in_pieces->piece - 1) / in_pieces->piece);
+        const auto from = static_cast<std::uint64_t>(p - i.base);
+        need = in_pieces->needed(from, from + bytes);
         break;
       }
     }

@@ -585,6 +585,18 @@ bool reads_input_in_pieces(OpKind kind, std::uint64_t bytes, int nranks, int loc
   }
 }
 
+std::uint64_t first_input_read(OpKind kind, std::uint64_t count, DType dtype,
+                               const std::vector<int>& node_of_rank, int node, int nodes) {
+  if (nodes < 2) return 0;
+  const std::size_t es = dtype_size(dtype);
+  const int next = (node + 1) % nodes;
+  std::vector<Segment> segs;
+  if (kind == OpKind::all_reduce) segs = even_segments(count, es, nodes);
+  if (kind == OpKind::reduce_scatter) segs = rank_segments(node_of_rank, count * es, nodes);
+  if (segs.empty() || segs[next].empty()) return 0;
+  return segs[next][0].offset;
+}
+
 std::string node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
                            const NodeAlgorithmOptions& options) {
   if (nodes <= 1) return "none";

@@ -181,6 +181,14 @@ std::string node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
 bool reads_input_in_pieces(OpKind kind, std::uint64_t bytes, int nranks, int local_ranks, int nodes,
                            const NodeAlgorithmOptions& options);
 
+/// Where, in its local rank's input, an operation that reads_input_in_pieces
+/// reads first (bytes from the start): the pairwise reduce-scatter (and
+/// all-reduce) sends the next node's segment first, then the others in node
+/// order, its own last. Staging copies the input from there on, wrapping
+/// around, so that the first send does not wait for the whole input.
+std::uint64_t first_input_read(OpKind kind, std::uint64_t count, DType dtype,
+                               const std::vector<int>& node_of_rank, int node, int nodes);
+
 /// A local rank's buffers for one operation (null/0 where it has none).
 struct LocalBuffers {
   int rank = 0;

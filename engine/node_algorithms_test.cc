@@ -159,6 +159,7 @@ class MemChannel final : public NodeChannel {
     for (auto& l : lazy_) {
       if (p < l.at || p + bytes > l.at + l.real.size()) continue;
       const std::uint64_t a = static_cast<std::uint64_t>(p - l.at);
+      if (!first_read) first_read = a;
       for (std::uint64_t k = a / piece_; k * piece_ < a + bytes; ++k) {
         if (l.in[k]) continue;
         l.in[k] = true;
@@ -170,6 +171,7 @@ class MemChannel final : public NodeChannel {
     stray_reads++;
   }
   int stray_reads = 0;  // reading() of bytes that are no input
+  std::optional<std::uint64_t> first_read;  // where in the input reading() was first called
 
  private:
   struct Pending {
@@ -278,6 +280,11 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
         }
         run_node_collective(ch, op, o, 1000);
         if (ch.stray_reads != 0) errors[j] = "reading() of bytes that are no input";
+        if (ch.first_read &&
+            *ch.first_read != first_input_read(op.kind, c.count, op.dtype, node_of_rank, j, nodes)) {
+          errors[j] = "read its input first at byte " + std::to_string(*ch.first_read) +
+                      ", not where first_input_read says";
+        }
         told[j] = std::move(ch.told);
         if (!ch.flushed()) errors[j] = "returned with sends outstanding";
         if (!ch.drained()) errors[j] = "returned with passes running";
@@ -374,7 +381,7 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
 
 TEST_CASE("node algorithms match the reference for every layout, size and operation") {
   const std::vector<std::vector<int>> layouts = {
-      {0, 1}, {0, 1, 2}, {0, 1, 0, 1}, {0, 0, 1, 2, 2, 2}, {2, 0, 1, 0}, {1, 0, 1, 2, 3, 3}};
+      {0, 1}, {0, 1, 2}, {2, 0, 1}, {0, 1, 0, 1}, {0, 0, 1, 2, 2, 2}, {2, 0, 1, 0}, {1, 0, 1, 2, 3, 3}};
   for (const int pairwise_max : {1, 4}) {  // larger: ring (more nodes), pairwise
   NodeAlgorithmOptions o;
   o.chunk_bytes = 256;       // many chunks per segment

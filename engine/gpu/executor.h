@@ -4,6 +4,7 @@
 // with CUDA, runtime_none.cc without) by main().
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -92,22 +93,36 @@ struct GpuCollective {
   /// every rank is in; the engine's host collective then waits for each
   /// piece before it reads it (GpuStage::in). 0: whole inputs before `ready`.
   std::uint64_t in_piece_bytes = 0;
+  /// The pieces are copied from the one that holds this byte of the input
+  /// on, wrapping around: the order in which the host collective reads them
+  /// (first_input_read).
+  std::uint64_t in_first_byte = 0;
 };
 
 /// A staged operation's inputs arriving in pieces (GpuCollective::
 /// in_piece_bytes): piece k of each local rank's input staging is bytes
-/// [k * piece, (k + 1) * piece). Written by the executor's completion
-/// thread, read by the thread that runs the host collective.
+/// [k * piece, (k + 1) * piece). They are copied in the order first,
+/// first + 1, ... (mod count). Written by the executor's completion thread,
+/// read by the thread that runs the host collective.
 struct InPieces {
   std::uint64_t piece = 0;
   std::uint32_t count = 0;
-  /// Pieces 0 .. reached-1 of every rank are in host memory (piece 0 is in
-  /// before `ready` runs).
+  std::uint32_t first = 0;
+  /// The first `reached` pieces in copy order are in host memory in every
+  /// rank's staging (the first is in before `ready` runs).
   std::atomic<std::uint32_t> reached{1};
+  /// How many pieces, in copy order, must be in for bytes [from, to) to be.
+  std::uint32_t needed(std::uint64_t from, std::uint64_t to) const {
+    std::uint32_t n = 0;
+    for (std::uint64_t k = from / piece; k * piece < to && k < count; ++k) {
+      n = std::max(n, static_cast<std::uint32_t>((k + count - first) % count) + 1);
+    }
+    return n;
+  }
   /// Set where a piece failed (deadline, GPU error): the operation fails.
   std::atomic<bool> failed{false};
 
-  /// Called once the pieces up to k are in, or with the error.
+  /// Called once the first k + 1 pieces in copy order are in, or with the error.
   void arrived(std::uint32_t k, Code code, const std::string& why) {
     std::function<void()> w;
     {

@@ -862,6 +862,7 @@ class CudaExecutor final : public GpuExecutor {
         st->in = std::make_shared<InPieces>();
         st->in->piece = piece;
         st->in->count = pieces;
+        st->in->first = static_cast<std::uint32_t>(std::min<std::uint64_t>(op.in_first_byte / piece, pieces - 1));
       }
     }
     // Piece k >= 1 of every rank: an operation of its own for the completion
@@ -902,43 +903,34 @@ class CudaExecutor final : public GpuExecutor {
                                             s->ticket, cu::kStreamWaitValueGeq),
                    "cuStreamWaitValue32 on " + op.who[r] + "'s ready word");
       }
-      // A broadcast's input is read at its root only.
+      // A broadcast's input is read at its root only. In pieces, each
+      // followed by an event, in the order the host collective reads them
+      // (from in->first on): the exchange starts after the first and reads
+      // each later one once its event is reached, so the copies overlap it.
+      bool tailed = false;
       if (copies_input(r)) {
         const std::byte* src = on_device(gs, dev);
-        // In pieces, each followed by an event: the exchange starts after
-        // the first and reads each later one once its event is reached, so
-        // the copy overlaps the exchange.
-        for (std::uint32_t k = 1; k < pieces; ++k) {
-          const std::uint64_t at = (k - 1) * piece;
-          check_rt(cudaMemcpyAsync(st->send[r].ptr + at, src + at, piece, cudaMemcpyDeviceToHost, stream),
-                   "copy of " + op.who[r] + "'s input to host staging (piece " + std::to_string(k - 1) + ")");
-          if (k == 1) {
-            cudaEvent_t first = take_event(dev);
-            check_rt(cudaEventRecord(first, stream), "cudaEventRecord");
-            p.tails.emplace_back(dev, first);
+        for (std::uint32_t q = 0; q < pieces; ++q) {
+          const std::uint64_t at = pieces > 1 ? ((st->in->first + q) % pieces) * piece : 0;
+          const std::uint64_t len = std::min(gs.bytes - at, pieces > 1 ? piece : gs.bytes);
+          check_rt(cudaMemcpyAsync(st->send[r].ptr + at, src + at, len, cudaMemcpyDeviceToHost, stream),
+                   "copy of " + op.who[r] + "'s input to host staging");
+          cudaEvent_t e = q == 0 ? take_event(dev) : take_event_locked(dev);
+          check_rt(cudaEventRecord(e, stream), "cudaEventRecord");
+          if (q == 0) {
+            p.tails.emplace_back(dev, e);
+            tailed = true;
           } else {
-            cudaEvent_t e = take_event_locked(dev);
-            later[k - 2].events.emplace_back(dev, e);
-            check_rt(cudaEventRecord(e, stream), "cudaEventRecord");
-            later[k - 2].tails.emplace_back(dev, e);
+            later[q - 1].events.emplace_back(dev, e);
+            later[q - 1].tails.emplace_back(dev, e);
           }
         }
-        const std::uint64_t at = (pieces - 1) * piece;
-        check_rt(cudaMemcpyAsync(st->send[r].ptr + at, src + at, gs.bytes - at, cudaMemcpyDeviceToHost, stream),
-                 "copy of " + op.who[r] + "'s input to host staging");
-        if (pieces > 1) {
-          cudaEvent_t e = take_event_locked(dev);
-          later.back().events.emplace_back(dev, e);
-          check_rt(cudaEventRecord(e, stream), "cudaEventRecord");
-          later.back().tails.emplace_back(dev, e);
-          p.spans.push_back(gs);
-          p.spans.push_back(gr);
-          continue;
-        }
       }
-      cudaEvent_t tail = take_event(dev);
-      check_rt(cudaEventRecord(tail, stream), "cudaEventRecord");
-      p.tails.emplace_back(dev, tail);
+      if (!tailed) {
+        cudaEvent_t tail = take_event(dev);
+        check_rt(cudaEventRecord(tail, stream), "cudaEventRecord");
+        p.tails.emplace_back(dev, tail);
+      }
       p.spans.push_back(gs);
       p.spans.push_back(gr);
     }
