@@ -254,9 +254,11 @@ long run_case(GpuRank& g, Kind k, engine::DType d, engine::RedOp op, std::size_t
 }
 
 /// Runs `body(rank)` in `n` child processes joined in one communicator on `d`.
-/// Rank r joins through daemon `sockets[r]` (several daemons: nodes joined by TCP).
+/// Rank r joins through daemon `sockets[r]` (several daemons: nodes joined by TCP),
+/// on GPU r % gpus, or gpu_of(r) where given.
 bool with_ranks_on(const std::vector<std::string>& sockets, int gpus,
-                   const std::function<int(GpuRank&)>& body, std::chrono::milliseconds timeout = 180s) {
+                   const std::function<int(GpuRank&)>& body, std::chrono::milliseconds timeout = 180s,
+                   const std::function<int(int)>& gpu_of = nullptr) {
   const int n = static_cast<int>(sockets.size());
   collective_unique_id_t id{};
   {
@@ -269,7 +271,7 @@ bool with_ranks_on(const std::vector<std::string>& sockets, int gpus,
   for (int r = 0; r < n; ++r) {
     kids.push_back(std::make_unique<Child>([&, r] {
       try {
-        GpuRank g(sockets[r], id, r, n, r % gpus);
+        GpuRank g(sockets[r], id, r, n, gpu_of ? gpu_of(r) : r % gpus);
         return body(g);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "rank %d: %s\n", r, e.what());
@@ -433,8 +435,10 @@ std::string two_gpu_path() { return g_gpus >= 2 ? "client kernels: 2 ranks on 2 
 struct GpuCluster {
   TempDir dir;
   std::vector<Node> nodes;
+  /// `visible`: each daemon's CUDA_VISIBLE_DEVICES (default: GPU i for
+  /// daemon i where there are enough).
   explicit GpuCluster(int n, std::vector<std::string> extra = {},
-                      std::map<std::string, std::string> env = {}) {
+                      std::map<std::string, std::string> env = {}, std::vector<std::string> visible = {}) {
     const std::string secret = write_secret(dir, "secret", "gpu test cluster secret\n");
     for (int i = 0; i < n; ++i) {
       Node node;
@@ -443,7 +447,11 @@ struct GpuCluster {
       node.secret_file = secret;
       node.extra = extra;
       node.env = env;
-      if (g_gpus >= n) node.env["CUDA_VISIBLE_DEVICES"] = std::to_string(i);
+      if (static_cast<int>(visible.size()) > i) {
+        node.env["CUDA_VISIBLE_DEVICES"] = visible[static_cast<std::size_t>(i)];
+      } else if (g_gpus >= n) {
+        node.env["CUDA_VISIBLE_DEVICES"] = std::to_string(i);
+      }
       nodes.push_back(std::move(node));
     }
     for (auto& node : nodes) node.start();
@@ -905,6 +913,20 @@ TEST_CASE("gpu: across nodes: two daemons joined by TCP, GPU buffers staged thro
     }
     return rc;
   }, 600s);
+  if (!ok) cl.dump_logs();
+}
+
+TEST_CASE("gpu: across nodes: two daemons with two ranks each (a GPU per rank, or one per daemon), staged") {
+  // Several local ranks per node: the host collective first combines them
+  // (no input pieces, no early copies: one rank per node only). With 4 GPUs
+  // each daemon owns two and each rank one; with fewer, a daemon's two
+  // ranks share its GPU.
+  const bool four = g_gpus >= 4;
+  GpuCluster cl(2, {}, {}, four ? std::vector<std::string>{"0,1", "2,3"} : std::vector<std::string>{});
+  const auto s = cl.sockets();
+  const int gpus = std::min(g_gpus, 2);
+  const bool ok = with_ranks_on({s[0], s[0], s[1], s[1]}, 4, matrix_body, 600s,
+                                [four, gpus](int r) { return four ? r : (r / 2) % gpus; });
   if (!ok) cl.dump_logs();
 }
 
