@@ -890,8 +890,10 @@ struct Engine::Impl {
       // copies of the others overlap it: pieces of an eighth of the input,
       // at least 512 KiB (a copy of less runs below the link's speed, and
       // each piece costs a copy call and an event under the lock).
+      // Every rank of this node counts, whatever its memory: the host
+      // collective runs over all of them (run_across_nodes).
       int local = 0;
-      for (const auto& s : op.sync) local += s ? 1 : 0;
+      for (const auto& m : cp->members) local += m.remote ? 0 : 1;
       const std::uint64_t one = op.count * dtype_size(op.dtype);
       if (reads_input_in_pieces(op.kind, one, cp->nranks, local,
                                 static_cast<int>(cp->node_address.size()), algorithms)) {

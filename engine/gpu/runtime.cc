@@ -1074,8 +1074,9 @@ class CudaExecutor final : public GpuExecutor {
     std::lock_guard lock(mu_);
     cudaSetDevice(dev);
     // The out stream: never behind a stream that waits for a client's next
-    // input. The exchange began after every rank's input was copied in, so
-    // after its stream reached the operation: its output is ours to write.
+    // input. The exchange began once (the first piece of) every rank's input
+    // was copied in, so after its stream reached the operation: its output
+    // is ours to write.
     cudaStream_t stream = devices_[dev].out_streams[st.slot];
     check_rt(cudaMemcpyAsync(on_device(gr, dev) + offset, st.recv[r].ptr + offset, bytes,
                              cudaMemcpyHostToDevice, stream),
