@@ -93,9 +93,10 @@ struct Slot {
   /// GPU buffers on a communicator spanning nodes: the pinned host staging
   /// the host collective runs on (engine/gpu/executor.h).
   std::shared_ptr<gpu::GpuStage> gpu_stage;
-  /// When its copies to the host were queued and when they were done (the
-  /// debug log's gpu_staged event).
-  Clock::time_point stage_queued, staged_in;
+  /// When its copies to the host were queued, when they were done, and when
+  /// the host collective began on the node thread (the debug log's
+  /// gpu_staged event).
+  Clock::time_point stage_queued, staged_in, across_started;
 };
 
 struct P2PItem {
@@ -992,13 +993,16 @@ struct Engine::Impl {
                        [this, done = std::move(done), name = comm.name, seq, kind = slot.desc.kind,
                         at = us(slot.stage_queued.time_since_epoch()),
                         in = us(slot.staged_in - slot.stage_queued), across = us(exchanged - slot.staged_in),
-                        exchanged, us](Code code, std::string why) {
+                        start = us(slot.across_started - slot.staged_in), exchanged,
+                        us](Code code, std::string why) {
                          log.debug("gpu_staged", {{"comm", name},
                                                   {"seq", seq},
                                                   {"op", to_string(kind)},
                                                   {"at_us", at},
                                                   {"in_us", in},
                                                   {"exchange_us", across},
+                                                  // of which: until the node thread ran it
+                                                  {"start_us", start},
                                                   {"out_us", us(Clock::now() - exchanged)}});
                          done(code, std::move(why));
                        });

@@ -986,6 +986,7 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
     desc = slot.desc;
     desc_rank = slot.desc_rank;
     deadline = slot.deadline;
+    slot.across_started = Clock::now();
     op.kind = desc.kind;
     op.dtype = desc.dtype;
     op.redop = desc.redop;
