@@ -195,6 +195,7 @@ class EngineChannel final : public NodeChannel {
       }
       return nullptr;
     };
+    sent_ = true;
     I_.send_node(comm_->node_address[to], encode(mb, pieces, std::move(keep), find_region),
                  [sends = sends_, to, node = comm_->node_text(to)](Code code, const std::string& why) {
                    std::lock_guard l(sends->mu);
@@ -286,6 +287,17 @@ class EngineChannel final : public NodeChannel {
   }
 
   NodePayload recv(int from, std::uint64_t tag) override {
+    if (sent_) {
+      // The daemon's transport takes a send on its event loop, the thread
+      // this operation's fiber runs on, once the fiber gives the thread back:
+      // until then what was sent has not left. An algorithm that goes on to
+      // reduce chunks already here (no wait in recv) would hold its sends
+      // back for as long (the pairwise all-reduce's reduced chunks, which the
+      // other nodes wait for). So the first receive after a send lets them go.
+      sent_ = false;
+      Executor::wake(comm_->exec);
+      Executor::wait(*comm_->exec);
+    }
     Executor::take_turns(comm_->exec);
     std::unique_lock lock(I_.mu);
     Inbox& in = *comm_->inbox;
@@ -465,6 +477,7 @@ class EngineChannel final : public NodeChannel {
   std::shared_ptr<Sends> sends_ = std::make_shared<Sends>();
   std::shared_ptr<const void> keep_;
   std::vector<HostRegion*> regions_;  // of the memory keep_ holds
+  bool sent_ = false;  // a send since the fiber last gave the thread back (recv)
   std::shared_ptr<const MessageBytes> scratch_;
   // Receives posted (post): their inbox keys, and the transport's holds.
   std::vector<std::tuple<std::uint64_t, std::uint64_t, int>> posted_;
