@@ -4,6 +4,7 @@
 // and direct/ring thresholds, and every operation, checked against a
 // reference computed here.
 #include "engine/node_algorithms.h"
+#include "engine/gpu/executor.h"
 
 #include <doctest/doctest.h>
 
@@ -512,4 +513,35 @@ TEST_CASE("an error from the channel reaches the caller") {
   fabric.put(0, 1, 1000 + (std::uint64_t{1} << 40), std::vector<std::byte>(8));
   CHECK_THROWS_WITH_AS(run_node_collective(ch, op, NodeAlgorithmOptions{}, 1000),
                        doctest::Contains("node 1 sent 8 bytes where 16 were expected"), Error);
+}
+
+TEST_CASE("input pieces: which pieces a range needs, in the order they are copied") {
+  // 4 pieces of 100 bytes (the last one short: 350 bytes), copied 2, 3, 0, 1.
+  gpu::InPieces in;
+  in.piece = 100;
+  in.count = 4;
+  in.first = 2;
+  CHECK(in.needed(200, 300) == 1);  // piece 2: copied first
+  CHECK(in.needed(300, 350) == 2);  // piece 3 (short)
+  CHECK(in.needed(0, 1) == 3);      // piece 0
+  CHECK(in.needed(150, 250) == 4);  // pieces 1 and 2: the later of the two
+  CHECK(in.needed(0, 350) == 4);
+  CHECK(in.needed(299, 301) == 2);  // straddles 2 and 3
+  // Unrotated: the prefix.
+  in.first = 0;
+  CHECK(in.needed(0, 100) == 1);
+  CHECK(in.needed(100, 101) == 2);
+  CHECK(in.needed(250, 350) == 4);
+  // reached moves forward only; a failure is kept with its reason.
+  in.arrived(2, Code::ok, "");
+  CHECK(in.reached.load() == 3);
+  in.arrived(1, Code::ok, "");
+  CHECK(in.reached.load() == 3);
+  int woken = 0;
+  in.on_change([&] { ++woken; });
+  in.arrived(3, Code::timeout, "late");
+  CHECK(in.failed.load());
+  CHECK(in.error().first == Code::timeout);
+  CHECK(in.error().second == "late");
+  CHECK(woken == 1);
 }
