@@ -239,6 +239,9 @@ struct Executor {
   /// event loop (clients, heartbeats, other communicators) if it has held it
   /// for more than a few milliseconds, then goes on.
   static void take_turns(const std::shared_ptr<Executor>& ex);
+  /// From inside the fiber: gives the thread to the handlers queued on it
+  /// before this call (a send posted to the transport), then goes on.
+  static void yield(const std::shared_ptr<Executor>& ex);
 };
 
 struct Comm {

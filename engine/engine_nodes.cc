@@ -295,8 +295,7 @@ class EngineChannel final : public NodeChannel {
       // back for as long (the pairwise all-reduce's reduced chunks, which the
       // other nodes wait for). So the first receive after a send lets them go.
       sent_ = false;
-      Executor::wake(comm_->exec);
-      Executor::wait(*comm_->exec);
+      Executor::yield(comm_->exec);
     }
     Executor::take_turns(comm_->exec);
     std::unique_lock lock(I_.mu);
@@ -345,45 +344,47 @@ class EngineChannel final : public NodeChannel {
     }
   }
 
-  /// A staged GPU operation's inputs, arriving in pieces (GpuStage::in):
-  /// where each local rank's input staging lies. Null: all there.
-  std::shared_ptr<gpu::InPieces> in_pieces;
-  struct Input {
+  /// Where a local rank's host staging (input or output) of a staged GPU
+  /// operation lies.
+  struct Staging {
     const std::byte* base;
     std::uint64_t bytes;
+    int rank;
   };
-  std::vector<Input> inputs;
+  /// A staged GPU operation's inputs, arriving in pieces (GpuStage::in), and
+  /// where they lie. Null: all there.
+  std::shared_ptr<gpu::InPieces> in_pieces;
+  std::vector<Staging> inputs;
   void reading(const std::byte* p, std::uint64_t bytes) override {
     if (!in_pieces) return;
     std::uint32_t need = 0;
-    for (const Input& i : inputs) {
+    int rank = -1;
+    for (const Staging& i : inputs) {
       if (p >= i.base && p + bytes <= i.base + i.bytes) {
         const auto from = static_cast<std::uint64_t>(p - i.base);
         need = in_pieces->needed(from, from + bytes);
+        rank = i.rank;
         break;
       }
     }
     while (in_pieces->reached.load(std::memory_order_acquire) < need) {
+      auto whose = [&] { return "the input of " + comm_->who(rank) + " on node " + I_.options.node_name; };
       if (in_pieces->failed.load(std::memory_order_acquire)) {
         auto [code, why] = in_pieces->error();
-        throw Error(code, "copying the input of a local rank to host memory on node " +
-                              I_.options.node_name + ": " + why);
+        throw Error(code, "copying " + whose() + " to host memory: " + why);
       }
       {
         std::lock_guard lock(I_.mu);
-        Inbox& in = *comm_->inbox;
-        if (auto f = in.failed.find(seq_); f != in.failed.end()) {
+        if (auto f = comm_->inbox->failed.find(seq_); f != comm_->inbox->failed.end()) {
           remote_failure = true;
           throw Error(f->second.code, f->second.message);
         }
-        if (I_.stopping) {
-          throw Error(Code::aborted, "collectived on node " + I_.options.node_name + " is stopping");
-        }
       }
+      check_stopping();
       if (Clock::now() >= deadline_) {
         throw Error(Code::timeout, "timed out after " + std::to_string(budget_.count()) +
-                                       " ms (deadlines.operation_ms) on node " + I_.options.node_name +
-                                       " waiting for the input of its ranks to reach host memory");
+                                       " ms (deadlines.operation_ms) waiting for " + whose() +
+                                       " to reach host memory");
       }
       // Until the completion thread sees the next piece in (InPieces::on_change).
       Executor::wait(*comm_->exec);
@@ -620,6 +621,10 @@ void Executor::take_turns(const std::shared_ptr<Executor>& ex) {
   // 5 ms: long enough that a large operation's chunks go by in batches, short
   // enough for heartbeats (deadlines.heartbeat_ms) and small operations.
   if (Clock::now() - ex->resumed_at < std::chrono::milliseconds(5)) return;
+  yield(ex);
+}
+
+void Executor::yield(const std::shared_ptr<Executor>& ex) {
   wake(ex);
   wait(*ex);
 }
@@ -984,13 +989,8 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
   std::vector<Span> keep;  // holds the mappings while the operation runs
   std::vector<std::int32_t> mine;  // split: (rank, color, key) of local ranks
   std::shared_ptr<gpu::GpuStage> stage;  // a staged GPU operation's host staging
-  struct Out {
-    const std::byte* base;
-    std::uint64_t bytes;
-    int rank;
-  };
-  std::vector<Out> outs;  // the local ranks' output staging
-  std::vector<EngineChannel::Input> ins;  // their input staging
+  // Staged: the local ranks' output and input staging.
+  std::vector<EngineChannel::Staging> outs, ins;
   {
     std::lock_guard lock(mu);
     auto it = comm.slots.find(seq);
@@ -1014,8 +1014,8 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
       keep.push_back(p.send);
       keep.push_back(p.recv);
       mine.insert(mine.end(), {r, p.color, p.key});
-      if (p.recv.ptr != nullptr) outs.push_back({p.recv.ptr, p.recv.bytes, r});
-      if (p.send.ptr != nullptr) ins.push_back({p.send.ptr, p.send.bytes});
+      if (slot.gpu_stage && p.recv.ptr != nullptr) outs.push_back({p.recv.ptr, p.recv.bytes, r});
+      if (slot.gpu_stage && p.send.ptr != nullptr) ins.push_back({p.send.ptr, p.send.bytes, r});
     }
     stage = slot.gpu_stage;
   }
@@ -1037,7 +1037,7 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
     // Each chunk of an output that is final goes back to its GPU now, while
     // the rest of the exchange runs (docs/gpu.md, "Fourteenth run").
     ch.on_written = [this, stage, outs = std::move(outs)](const std::byte* p, std::uint64_t n) {
-      for (const Out& o : outs) {
+      for (const EngineChannel::Staging& o : outs) {
         if (p >= o.base && p + n <= o.base + o.bytes) {
           gpu->stage_out_early(*stage, o.rank, static_cast<std::uint64_t>(p - o.base), n);
           return;
