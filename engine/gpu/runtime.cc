@@ -244,6 +244,25 @@ struct OpenedEvent {
   }
 };
 
+/// Pinned staging the GPU may still be copying into or out of: an operation
+/// that ended (failed) with its copies enqueued. The reaper waits for the
+/// copies' events before the staging goes back to the pool, and before the
+/// ranks' streams are released from the CPU (the last RankSync holder does
+/// that).
+struct StagingLeftovers {
+  std::vector<std::shared_ptr<RankSync>> syncs;  // destroyed last
+  std::shared_ptr<PinnedPool> pool;
+  std::vector<std::pair<std::byte*, std::uint64_t>> blocks;
+  std::vector<cudaEvent_t> events;  // on one stream, only the last one waits
+  ~StagingLeftovers() {
+    for (auto e : events) {
+      cudaEventSynchronize(e);
+      cudaEventDestroy(e);
+    }
+    for (auto& [p, bytes] : blocks) pool->give(p, bytes);
+  }
+};
+
 /// One rank's pipelined staged operation (GpuExecutor::make_chunked): the
 /// whole input and output in pinned host memory, laid out chunk after chunk
 /// (chunk i holds what a collective of its count has: for all-gather's
@@ -277,20 +296,9 @@ struct ChunkPipe {
     if (host_send == nullptr && a.send.bytes != 0) host_send = pool->take(a.send.bytes, send_got);
     if (host_recv == nullptr && a.recv.bytes != 0) host_recv = pool->take(a.recv.bytes, recv_got);
   }
-  /// The GPU may still be copying into the staging (a chunk failed early):
-  /// the reaper waits for the last copy before the staging is reused.
-  struct Leftovers {
-    std::shared_ptr<PinnedPool> pool;
-    std::vector<std::pair<std::byte*, std::uint64_t>> blocks;
-    std::vector<cudaEvent_t> events;
-    ~Leftovers() {
-      if (!events.empty()) cudaEventSynchronize(events.back());
-      for (auto e : events) cudaEventDestroy(e);
-      for (auto& [p, bytes] : blocks) pool->give(p, bytes);
-    }
-  };
+  /// The GPU may still be copying into the staging (a chunk failed early).
   ~ChunkPipe() {
-    auto l = std::make_shared<Leftovers>();
+    auto l = std::make_shared<StagingLeftovers>();
     l->pool = pool;
     if (host_send != nullptr) l->blocks.emplace_back(host_send, send_got);
     if (host_recv != nullptr) l->blocks.emplace_back(host_recv, recv_got);
@@ -380,44 +388,24 @@ struct Pending {
   bool releases_done = true;  // the op writes the ranks' done words (not stage_in)
 };
 
-/// A staged operation whose outputs were partly copied back early
-/// (stage_out_early) and that ended without stage_out (it failed): the GPU
-/// may still be copying from the staging into the ranks' outputs. The reaper
-/// waits for those copies before the staging is reused and before the ranks'
-/// streams are released from the CPU (the last RankSync holder does that).
-struct EarlyLeftovers {
-  std::vector<std::shared_ptr<RankSync>> syncs;  // destroyed last
-  std::shared_ptr<PinnedPool> pool;
-  std::vector<std::pair<std::byte*, std::uint64_t>> blocks;
-  std::vector<std::pair<int, cudaEvent_t>> events;
-  ~EarlyLeftovers() {
-    for (auto& [dev, e] : events) {
-      cudaSetDevice(dev);
-      cudaEventSynchronize(e);
-      cudaEventDestroy(e);
-    }
-    for (auto& [p, bytes] : blocks) pool->give(p, bytes);
-  }
-};
-
 /// A staged operation (across nodes): pinned host buffers per local rank.
 class Stage final : public GpuStage {
  public:
   Stage(std::shared_ptr<PinnedPool> pool, std::shared_ptr<Graveyard> graveyard)
       : pool_(std::move(pool)), graveyard_(std::move(graveyard)) {}
   ~Stage() override {
-    if (!early_events.empty() && !out_issued) {
-      auto l = std::make_shared<EarlyLeftovers>();
+    if (!early_events.empty()) {
+      // Early copies back (stage_out_early) and no stage_out, which takes
+      // their events (it failed): the GPU may still be copying from the
+      // staging into the ranks' outputs.
+      auto l = std::make_shared<StagingLeftovers>();
       l->syncs = std::move(op.sync);
       l->pool = pool_;
       l->blocks = std::move(blocks_);
-      l->events = std::move(early_events);
+      for (auto& [dev, e] : early_events) l->events.push_back(e);
       graveyard_->bury(std::move(l));
       return;
     }
-    // stage_out's copies came after the early ones on the same streams, and
-    // the stage lives until they are done.
-    for (auto& [dev, e] : early_events) cudaEventDestroy(e);
     for (auto& [p, bytes] : blocks_) pool_->give(p, bytes);
   }
   Span take(std::uint64_t bytes) {
@@ -430,10 +418,10 @@ class Stage final : public GpuStage {
   GpuCollective op;
   std::size_t slot = 0;
   /// By rank: (offset, bytes) of its output copied back early, and one
-  /// event per device recorded after the latest of those copies.
+  /// event per device (from the executor's pool) recorded after the latest
+  /// of those copies, until stage_out takes them back to the pool.
   std::vector<std::vector<std::pair<std::uint64_t, std::uint64_t>>> early;
   std::vector<std::pair<int, cudaEvent_t>> early_events;
-  bool out_issued = false;  // stage_out enqueued the rest
 
  private:
   std::shared_ptr<PinnedPool> pool_;
@@ -1005,17 +993,15 @@ class CudaExecutor final : public GpuExecutor {
                                                            : devices_.front().ordinal;
       cudaSetDevice(dev);
       cudaStream_t stream = devices_[dev].out_streams[st->slot];
-      // Not copied back: a reduce's output off its root (not written, as
-      // NCCL's), and a broadcast root's output: its input, which is on the
-      // GPU already (copied there, device to device, where they differ).
+      // A broadcast root's output is its input, on the GPU already: copied
+      // there, device to device, where they differ.
       const bool root_bcast = op.kind == OpKind::broadcast && r == op.root;
-      const bool unwritten = (op.kind == OpKind::reduce && r != op.root) || root_bcast;
       if (root_bcast && gr.bytes != 0 && !staged_in_place(op, r)) {
         check_rt(cudaMemcpyAsync(on_device(gr, dev), on_device(gs, dev), gr.bytes,
                                  cudaMemcpyDeviceToDevice, stream),
                  "copy of broadcast root " + op.who[r] + "'s input to its output");
       }
-      if (gr.bytes != 0 && !unwritten) {
+      if (gr.bytes != 0 && copied_back(op, r)) {
         // What stage_out_early did not copy yet.
         auto copied = st->early[r];
         std::sort(copied.begin(), copied.end());
@@ -1049,7 +1035,10 @@ class CudaExecutor final : public GpuExecutor {
       check_rt(cudaEventRecord(tail, stream), "cudaEventRecord");
       p.tails.emplace_back(dev, tail);
     }
-    st->out_issued = true;
+    // The early copies came before these on the same streams: their events
+    // go back to the pool with this operation's.
+    p.events.insert(p.events.end(), st->early_events.begin(), st->early_events.end());
+    st->early_events.clear();
     p.syncs = op.sync;
     p.keep = std::move(gstage);
     pending_.push_back(std::move(p));
@@ -1064,9 +1053,7 @@ class CudaExecutor final : public GpuExecutor {
     const auto* s = static_cast<const Sync*>(op.sync[r].get());
     if (s == nullptr || s->pipe) return;
     const Span& gr = op.recv[r];
-    const bool unwritten = (op.kind == OpKind::reduce && r != op.root) ||
-                           (op.kind == OpKind::broadcast && r == op.root);
-    if (unwritten || gr.reg == nullptr || st.recv[r].ptr == nullptr || offset > gr.bytes ||
+    if (!copied_back(op, r) || gr.reg == nullptr || st.recv[r].ptr == nullptr || offset > gr.bytes ||
         bytes > gr.bytes - offset) {
       return;
     }
@@ -1084,15 +1071,19 @@ class CudaExecutor final : public GpuExecutor {
     auto e = std::find_if(st.early_events.begin(), st.early_events.end(),
                           [&](const auto& de) { return de.first == dev; });
     if (e == st.early_events.end()) {
-      cudaEvent_t ev = nullptr;
-      check_rt(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
-      e = st.early_events.insert(st.early_events.end(), {dev, ev});
+      e = st.early_events.insert(st.early_events.end(), {dev, take_event_locked(dev)});
     }
     check_rt(cudaEventRecord(e->second, stream), "cudaEventRecord");
     st.early[r].emplace_back(offset, bytes);
   }
 
  private:
+  /// Whether rank r's output of a staged operation is copied back from the
+  /// host staging. Not a reduce's output off its root (not written, as
+  /// NCCL's), nor a broadcast root's (its input, on the GPU already).
+  static bool copied_back(const GpuCollective& op, int r) {
+    return !(op.kind == OpKind::reduce && r != op.root) && !(op.kind == OpKind::broadcast && r == op.root);
+  }
   /// Whether rank r's buffers of a staged operation are one (send == recv)
   /// for an operation whose input and output have the same size.
   static bool staged_in_place(const GpuCollective& op, int r) {
