@@ -325,6 +325,13 @@ class EngineChannel final : public NodeChannel {
         remote_failure = true;
         throw Error(in.broken->code, in.broken->message);
       }
+      if (in_pieces && in_pieces->failed.load(std::memory_order_acquire)) {
+        // This node's inputs never came (a rank's stream, the deadline): the
+        // other nodes wait for them, so no answer comes from them first.
+        auto [code, why] = in_pieces->error();
+        throw Error(code, "copying the input of a rank on node " + I_.options.node_name +
+                              " to host memory: " + why);
+      }
       if (I_.stopping) {
         throw Error(Code::aborted, "collectived on node " + I_.options.node_name + " is stopping");
       }
@@ -1037,6 +1044,10 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
     // Each chunk of an output that is final goes back to its GPU now, while
     // the rest of the exchange runs (docs/gpu.md, "Fourteenth run").
     ch.on_written = [this, stage, outs = std::move(outs)](const std::byte* p, std::uint64_t n) {
+      // Not before the first piece of the inputs is in (the exchange may
+      // start earlier): until then a rank's stream may not have reached this
+      // operation, and its output is not ours to write. stage_out copies it.
+      if (stage->in && stage->in->reached.load(std::memory_order_acquire) == 0) return;
       for (const EngineChannel::Staging& o : outs) {
         if (p >= o.base && p + n <= o.base + o.bytes) {
           gpu->stage_out_early(*stage, o.rank, static_cast<std::uint64_t>(p - o.base), n);
@@ -1085,7 +1096,18 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
     why = e.what();
   }
   ch.retract();  // no receive writes into the ranks' buffers past this point
-  if (stage && stage->in) stage->in->on_change(nullptr);
+  if (stage && stage->in) {
+    stage->in->on_change(nullptr);
+    // The copies back (stage_out) may write where the inputs are read from
+    // (in place): every piece must be in. The algorithms read all of every
+    // input, so they waited for every piece; this holds them to it.
+    if (code == Code::ok && stage->in->reached.load(std::memory_order_acquire) < stage->in->count) {
+      code = Code::internal;
+      why = "the operation between nodes ended before all of its inputs were in host memory (" +
+            std::to_string(stage->in->reached.load()) + " of " + std::to_string(stage->in->count) +
+            " pieces)";
+    }
+  }
   keep.clear();
   std::vector<Delivery> out;
   std::vector<std::function<void()>> next;

@@ -126,9 +126,10 @@ class NodeChannel {
   /// Bytes [p, p + bytes) of a local rank's input are read next (sent,
   /// reduced, copied): returns once they are there. Called before every read
   /// of an input where reads_input_in_pieces() says so, and only there. A
-  /// staged GPU operation of that shape starts its exchange once the first
-  /// piece of every input reached host memory and copies the rest meanwhile;
-  /// this waits for the pieces that cover the range (the engine's channel).
+  /// staged GPU operation of that shape starts its exchange while its inputs
+  /// are still on the GPUs and copies them to host memory in pieces
+  /// meanwhile; this waits for the pieces that cover the range (the engine's
+  /// channel).
   /// Throws Error at the deadline or when the copies failed. Default: they
   /// are there.
   virtual void reading(const std::byte* p, std::uint64_t bytes) { (void)p, (void)bytes; }

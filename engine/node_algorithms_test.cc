@@ -521,6 +521,8 @@ TEST_CASE("input pieces: which pieces a range needs, in the order they are copie
   in.piece = 100;
   in.count = 4;
   in.first = 2;
+  CHECK(in.reached.load() == 0);  // none is in yet: every range waits
+  CHECK(in.needed(200, 201) == 1);
   CHECK(in.needed(200, 300) == 1);  // piece 2: copied first
   CHECK(in.needed(300, 350) == 2);  // piece 3 (short)
   CHECK(in.needed(0, 1) == 3);      // piece 0

@@ -89,9 +89,11 @@ struct GpuCollective {
   /// send[0] to recv[1]; stage_in/stage_out stage one item of one rank.
   bool hold = false;
   /// Across nodes (stage_in): copy each rank's input to the host in pieces
-  /// of about this many bytes and answer `ready` once the first piece of
-  /// every rank is in; the engine's host collective then waits for each
-  /// piece before it reads it (GpuStage::in). 0: whole inputs before `ready`.
+  /// of about this many bytes (one, where the input is no larger), answer
+  /// `ready` once the first piece of every rank is in, and tell GpuStage::in
+  /// as each piece is in; the engine's host collective runs from stage_in on
+  /// and waits for each piece before it reads it. 0: whole inputs before
+  /// `ready`, and no GpuStage::in.
   std::uint64_t in_piece_bytes = 0;
   /// The pieces are copied from the one that holds this byte of the input
   /// on, wrapping around: the order in which the host collective reads them
@@ -109,8 +111,10 @@ struct InPieces {
   std::uint32_t count = 0;
   std::uint32_t first = 0;
   /// The first `reached` pieces in copy order are in host memory in every
-  /// rank's staging (the first is in before `ready` runs).
-  std::atomic<std::uint32_t> reached{1};
+  /// rank's staging. 0 until the first is: until then the ranks' streams
+  /// may not have reached the operation, and nothing may be written to
+  /// their GPU buffers (stage_out_early).
+  std::atomic<std::uint32_t> reached{0};
   /// How many pieces, in copy order, must be in for bytes [from, to) to be.
   std::uint32_t needed(std::uint64_t from, std::uint64_t to) const {
     std::uint32_t n = 0;
@@ -170,8 +174,9 @@ class GpuStage {
   /// What the engine's host spans point their `reg` at (aliasing the stage's
   /// lifetime): an operation running on the staging keeps it alive.
   Registration host{};
-  /// Set where the inputs arrive in pieces (GpuCollective::in_piece_bytes);
-  /// null: every input was in host memory before `ready`.
+  /// Set where the inputs arrive in pieces (GpuCollective::in_piece_bytes):
+  /// the host collective may start at once. Null: every input was in host
+  /// memory before `ready`.
   std::shared_ptr<InPieces> in;
 };
 

@@ -829,8 +829,10 @@ class CudaExecutor final : public GpuExecutor {
       st->send[r] = host_in_place(op, r) ? st->recv[r] : st->take(op.send[r].bytes);
     }
     // Inputs in pieces (GpuCollective::in_piece_bytes): every rank that
-    // copies an input copies one of the same size, none is a chunk of a
-    // pipelined operation, and there are at least two pieces.
+    // copies an input copies one of the same size (not none), and none is a
+    // chunk of a pipelined operation. One piece is enough: the engine then
+    // starts the host collective at once, which waits for it
+    // (GpuStage::in).
     auto copies_input = [&](int r) {
       return op.sync[r] && op.send[r].bytes != 0 && !(op.kind == OpKind::broadcast && r != op.root);
     };
@@ -844,13 +846,19 @@ class CudaExecutor final : public GpuExecutor {
         if (in_bytes == 0) in_bytes = op.send[r].bytes;
         uniform = uniform && op.send[r].bytes == in_bytes;
       }
-      if (uniform && in_bytes > op.in_piece_bytes) {
+      if (uniform && in_bytes != 0) {
         piece = op.in_piece_bytes;
         pieces = static_cast<std::uint32_t>((in_bytes + piece - 1) / piece);
         st->in = std::make_shared<InPieces>();
         st->in->piece = piece;
         st->in->count = pieces;
         st->in->first = static_cast<std::uint32_t>(std::min<std::uint64_t>(op.in_first_byte / piece, pieces - 1));
+        // Piece 0 of every rank is `p`: it tells st->in too (with its
+        // deadline's error, naming the ranks whose input never came).
+        p.done = [in = st->in, ready = std::move(p.done)](Code code, std::string why) {
+          in->arrived(0, code, why);
+          ready(code, std::move(why));
+        };
       }
     }
     // Piece k >= 1 of every rank: an operation of its own for the completion
