@@ -277,6 +277,10 @@ class EngineChannel final : public NodeChannel {
     return st;
   }
 
+  bool compute_done(const Ticket& ticket) override {
+    return !ticket || static_cast<const AsyncWork*>(ticket.get())->done.load(std::memory_order_acquire);
+  }
+
   void compute_wait(const Ticket& ticket) override {
     if (!ticket) return;
     const auto* st = static_cast<const AsyncWork*>(ticket.get());
@@ -286,17 +290,21 @@ class EngineChannel final : public NodeChannel {
     if (st->error) std::rethrow_exception(st->error);
   }
 
-  NodePayload recv(int from, std::uint64_t tag) override {
+  void start_sends() override {
     if (sent_) {
-      // The daemon's transport takes a send on its event loop, the thread
-      // this operation's fiber runs on, once the fiber gives the thread back:
-      // until then what was sent has not left. An algorithm that goes on to
-      // reduce chunks already here (no wait in recv) would hold its sends
-      // back for as long (the pairwise all-reduce's reduced chunks, which the
-      // other nodes wait for). So the first receive after a send lets them go.
       sent_ = false;
       Executor::yield(comm_->exec);
     }
+  }
+
+  NodePayload recv(int from, std::uint64_t tag) override {
+    // The daemon's transport takes a send on its event loop, the thread this
+    // operation's fiber runs on, once the fiber gives the thread back: until
+    // then what was sent has not left. An algorithm that goes on to reduce
+    // chunks already here (no wait in recv) would hold its sends back for as
+    // long (the pairwise all-reduce's reduced chunks, which the other nodes
+    // wait for). So the first receive after a send lets them go.
+    start_sends();
     Executor::take_turns(comm_->exec);
     std::unique_lock lock(I_.mu);
     Inbox& in = *comm_->inbox;

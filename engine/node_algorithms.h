@@ -69,6 +69,10 @@ class NodeChannel {
   /// Blocks until every send so far has left (the transport no longer reads
   /// its bytes). Throws Error at the deadline or if a send failed.
   virtual void flush() = 0;
+  /// The sends so far start moving now, before a local pass that does not
+  /// depend on them (they may otherwise wait for the next receive). Does
+  /// not wait for them. Default: nothing (sends move by themselves).
+  virtual void start_sends() {}
   /// A scratch buffer of at least `bytes`, valid (and kept by the channel's
   /// sends) until the operation ends; contents undefined. Reused between
   /// operations, so that large temporaries do not fault in fresh pages each
@@ -97,6 +101,12 @@ class NodeChannel {
   }
   /// Returns when the work of `ticket` is done, rethrowing what it threw.
   virtual void compute_wait(const Ticket& ticket) { (void)ticket; }
+  /// Whether the work of `ticket` is done (compute_wait then returns at
+  /// once). Does not block.
+  virtual bool compute_done(const Ticket& ticket) {
+    (void)ticket;
+    return true;
+  }
   /// The message `from` sent under `tag`. Blocks until it arrived; throws Error
   /// at the operation's deadline, when the communicator broke, or when the
   /// sender's operation does not match this node's (naming both).

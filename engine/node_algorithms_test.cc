@@ -37,15 +37,6 @@ class Fabric {
     REQUIRE(fresh);  // a tag is never reused within an operation
     cv_.notify_all();
   }
-  /// The message, if it is there already.
-  std::optional<std::vector<std::byte>> try_take(int me, int from, std::uint64_t tag) {
-    std::lock_guard lock(mu_);
-    auto it = boxes_[me].find(std::make_pair(from, tag));
-    if (it == boxes_[me].end()) return std::nullopt;
-    auto bytes = std::move(it->second);
-    boxes_[me].erase(it);
-    return bytes;
-  }
   std::vector<std::byte> take(int me, int from, std::uint64_t tag) {
     std::unique_lock lock(mu_);
     const auto key = std::make_pair(from, tag);
@@ -95,9 +86,13 @@ class MemChannel final : public NodeChannel {
       } catch (...) {
         pass->error = std::current_exception();
       }
+      pass->done.store(true, std::memory_order_release);
     });
     ++async_;
     return pass;
+  }
+  bool compute_done(const Ticket& ticket) override {
+    return !ticket || static_cast<Pass*>(ticket.get())->done.load(std::memory_order_acquire);
   }
   void compute_wait(const Ticket& ticket) override {
     if (!ticket) return;
@@ -116,29 +111,29 @@ class MemChannel final : public NodeChannel {
     pending_.push_back({to, tag, {pieces.begin(), pieces.end()}, std::move(owner)});
   }
   NodePayload recv(int from, std::uint64_t tag) override {
-    auto bytes = f_.try_take(me_, from, tag);
-    if (!bytes) {
-      deliver();
-      bytes = f_.take(me_, from, tag);
-    }
+    deliver();  // as the engine's channel: a receive lets the sends before it go
+    auto bytes = f_.take(me_, from, tag);
     NodePayload p;
-    p.storage = MessageBytes::copy_of(*bytes);
+    p.storage = MessageBytes::copy_of(bytes);
     p.size = p.storage.size();
     return p;
   }
   void flush() override { deliver(); }
+  void start_sends() override { deliver(); }
   std::byte* scratch(std::size_t bytes) override {
     scratch_.resize(bytes);
     return scratch_.data();
   }
   bool flushed() const { return pending_.empty(); }
-  /// What written() was told: where, and the bytes there at that moment.
+  /// What written() was told: where, the bytes there at that moment, and
+  /// how many sends had not been let go (start_sends, recv, flush).
   struct Told {
     const std::byte* p;
     std::vector<std::byte> bytes;
+    std::size_t held;
   };
   void written(const std::byte* p, std::uint64_t bytes) override {
-    told.push_back({p, std::vector<std::byte>(p, p + bytes)});
+    told.push_back({p, std::vector<std::byte>(p, p + bytes), pending_.size()});
   }
   std::vector<Told> told;
   /// An input that arrives in pieces, as a staged GPU operation's does: it
@@ -193,6 +188,7 @@ class MemChannel final : public NodeChannel {
   struct Pass {
     std::thread thread;
     std::exception_ptr error;
+    std::atomic<bool> done{false};
   };
 
   Fabric& f_;
@@ -338,6 +334,13 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
     for (std::size_t k = 1; k < ranges.size(); ++k) {
       CHECK(ranges[k - 1].first + ranges[k - 1].second <= ranges[k].first);
     }
+    // One rank, pairwise all-gather: the copy of its own input into its
+    // output (told final right after) runs once its sends are on their way.
+    if (c.kind == OpKind::all_gather && one * nranks > o.direct_max_bytes && nodes <= o.pairwise_max_nodes) {
+      for (const auto& t : told[j]) {
+        if (t.p == b.recv + b.rank * one) CHECK_MESSAGE(t.held == 0, "its own copy ran while its sends waited");
+      }
+    }
     const int root_node = node_of_rank[c.root];
     const bool ring_scatter = c.kind == OpKind::reduce_scatter && o.pairwise_max_nodes < nodes;
     const bool direct_reduce = c.kind == OpKind::all_reduce && one <= o.direct_max_bytes;
@@ -473,6 +476,25 @@ TEST_CASE("pairwise reduce-scatter and all-reduce with chunk reductions running 
             }
           }
         }
+      }
+    }
+  }
+}
+
+TEST_CASE("one rank per node, pairwise all-gather: the own copy runs on the pool beside the exchange") {
+  // Inputs of 256 KiB and more (kOwnCopyAsyncBytes) with cores to spare: the
+  // copy is a pass (run() counts them), finished between received chunks or
+  // at the end, and told final once done. In place there is nothing to copy.
+  NodeAlgorithmOptions o;
+  o.chunk_bytes = 64 << 10;
+  for (const std::vector<int>& layout : std::vector<std::vector<int>>{{0, 1}, {0, 1, 2}, {2, 0, 1}}) {
+    for (bool in_place : {false, true}) {
+      for (int parallelism : {1, 2}) {
+        CAPTURE(layout.size());
+        CAPTURE(in_place);
+        CAPTURE(parallelism);
+        const int passes = run(layout, Case{OpKind::all_gather, RedOp::sum, 65536 + 77, in_place, 0}, o, parallelism);
+        CHECK(passes == (parallelism > 1 && !in_place ? static_cast<int>(layout.size()) : 0));
       }
     }
   }
