@@ -389,10 +389,17 @@ class EngineChannel final : public NodeChannel {
         throw Error(code, "copying " + whose() + " to host memory: " + why);
       }
       {
+        // What recv() checks too: another node failed this operation, or the
+        // communicator broke (a node died): no need to wait for the input.
         std::lock_guard lock(I_.mu);
-        if (auto f = comm_->inbox->failed.find(seq_); f != comm_->inbox->failed.end()) {
+        const Inbox& in = *comm_->inbox;
+        if (auto f = in.failed.find(seq_); f != in.failed.end()) {
           remote_failure = true;
           throw Error(f->second.code, f->second.message);
+        }
+        if (in.broken && seq_ >= comm_->broken_floor) {
+          remote_failure = true;
+          throw Error(in.broken->code, in.broken->message);
         }
       }
       check_stopping();
