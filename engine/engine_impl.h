@@ -97,9 +97,6 @@ struct Slot {
   /// the host collective began on the node thread (the debug log's
   /// gpu_staged event).
   Clock::time_point stage_queued, staged_in, across_started;
-  /// The host collective was started with the copies to the host (the
-  /// inputs arrive in pieces, GpuStage::in), not once they were done.
-  bool started_early = false;
 };
 
 struct P2PItem {
@@ -947,7 +944,7 @@ struct Engine::Impl {
             // The host collective runs on the staging; the GPU spans stay
             // alive in the stage until the outputs are copied back.
             s.staged_in = Clock::now();
-            if (!s.started_early) {
+            if (!s.gpu_stage->in) {  // with pieces it started at stage_in (below)
               on_staging(s, comm->nranks);
               start_across_nodes(comm, seq);
             }
@@ -966,8 +963,6 @@ struct Engine::Impl {
         // each operation paid that round trip after its copies: measured on
         // 2 H200, 2 daemons over TCP, all-gather 1 MiB, a staged operation
         // spent 45-60 us between its first piece in and its data leaving.
-        // (The callback above runs under this lock: it sees the flag.)
-        slot.started_early = true;
         on_staging(slot, cp->nranks);
         start_across_nodes(cp, seq);
       }
@@ -1030,7 +1025,7 @@ struct Engine::Impl {
                                                   {"exchange_us", across},
                                                   // of which: until the node thread ran it
                                                   // (negative: it started before the inputs
-                                                  // were in, Slot::started_early)
+                                                  // were in, GpuStage::in)
                                                   {"start_us", start},
                                                   {"out_us", us(Clock::now() - exchanged)}});
                          done(code, std::move(why));

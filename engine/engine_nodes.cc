@@ -329,20 +329,9 @@ class EngineChannel final : public NodeChannel {
         in.msgs.erase(it);
         return p;
       }
-      if (in.broken && seq_ >= comm_->broken_floor) {
-        remote_failure = true;
-        throw Error(in.broken->code, in.broken->message);
-      }
-      if (in_pieces && in_pieces->failed.load(std::memory_order_acquire)) {
-        // This node's inputs never came (a rank's stream, the deadline): the
-        // other nodes wait for them, so no answer comes from them first.
-        auto [code, why] = in_pieces->error();
-        throw Error(code, "copying the input of a rank on node " + I_.options.node_name +
-                              " to host memory: " + why);
-      }
-      if (I_.stopping) {
-        throw Error(Code::aborted, "collectived on node " + I_.options.node_name + " is stopping");
-      }
+      // This node's inputs never coming counts too: the other nodes wait
+      // for them, so no answer comes from them first.
+      check_ended_locked(-1);
       if (Clock::now() >= deadline_) {
         throw Error(Code::timeout,
                     "timed out after " + std::to_string(budget_.count()) +
@@ -383,29 +372,13 @@ class EngineChannel final : public NodeChannel {
       }
     }
     while (in_pieces->reached.load(std::memory_order_acquire) < need) {
-      auto whose = [&] { return "the input of " + comm_->who(rank) + " on node " + I_.options.node_name; };
-      if (in_pieces->failed.load(std::memory_order_acquire)) {
-        auto [code, why] = in_pieces->error();
-        throw Error(code, "copying " + whose() + " to host memory: " + why);
-      }
       {
-        // What recv() checks too: another node failed this operation, or the
-        // communicator broke (a node died): no need to wait for the input.
         std::lock_guard lock(I_.mu);
-        const Inbox& in = *comm_->inbox;
-        if (auto f = in.failed.find(seq_); f != in.failed.end()) {
-          remote_failure = true;
-          throw Error(f->second.code, f->second.message);
-        }
-        if (in.broken && seq_ >= comm_->broken_floor) {
-          remote_failure = true;
-          throw Error(in.broken->code, in.broken->message);
-        }
+        check_ended_locked(rank);
       }
-      check_stopping();
       if (Clock::now() >= deadline_) {
         throw Error(Code::timeout, "timed out after " + std::to_string(budget_.count()) +
-                                       " ms (deadlines.operation_ms) waiting for " + whose() +
+                                       " ms (deadlines.operation_ms) waiting for " + input_of(rank) +
                                        " to reach host memory");
       }
       // Until the completion thread sees the next piece in (InPieces::on_change).
@@ -487,6 +460,33 @@ class EngineChannel final : public NodeChannel {
     if (I_.stopping) {
       throw Error(Code::aborted, "collectived on node " + I_.options.node_name + " is stopping");
     }
+  }
+
+  /// What ends this operation whatever it waits for (a message, an input
+  /// piece): another node failed it, the communicator broke (a node died),
+  /// this node's input copies failed (naming `rank`'s input; -1: unknown),
+  /// the daemon is stopping. Under I_.mu.
+  void check_ended_locked(int rank) {
+    const Inbox& in = *comm_->inbox;
+    if (auto f = in.failed.find(seq_); f != in.failed.end()) {
+      remote_failure = true;
+      throw Error(f->second.code, f->second.message);
+    }
+    if (in.broken && seq_ >= comm_->broken_floor) {
+      remote_failure = true;
+      throw Error(in.broken->code, in.broken->message);
+    }
+    if (in_pieces && in_pieces->failed.load(std::memory_order_acquire)) {
+      auto [code, why] = in_pieces->error();
+      throw Error(code, "copying " + input_of(rank) + " to host memory: " + why);
+    }
+    if (I_.stopping) {
+      throw Error(Code::aborted, "collectived on node " + I_.options.node_name + " is stopping");
+    }
+  }
+  std::string input_of(int rank) const {
+    return "the input of " + (rank < 0 ? std::string("a rank") : comm_->who(rank)) + " on node " +
+           I_.options.node_name;
   }
 
  private:
@@ -1059,10 +1059,6 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
     // Each chunk of an output that is final goes back to its GPU now, while
     // the rest of the exchange runs (docs/gpu.md, "Fourteenth run").
     ch.on_written = [this, stage, outs = std::move(outs)](const std::byte* p, std::uint64_t n) {
-      // Not before the first piece of the inputs is in (the exchange may
-      // start earlier): until then a rank's stream may not have reached this
-      // operation, and its output is not ours to write. stage_out copies it.
-      if (stage->in && stage->in->reached.load(std::memory_order_acquire) == 0) return;
       for (const EngineChannel::Staging& o : outs) {
         if (p >= o.base && p + n <= o.base + o.bytes) {
           gpu->stage_out_early(*stage, o.rank, static_cast<std::uint64_t>(p - o.base), n);

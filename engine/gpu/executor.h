@@ -263,7 +263,9 @@ class GpuExecutor {
   /// once, so that it overlaps the rest of the exchange; stage_out then
   /// copies only the rest. Called from the thread that runs the host
   /// collective, never for overlapping ranges; never blocks on the GPU.
-  /// Ignored where the output is not copied back (and by default).
+  /// Ignored where the output is not copied back, before the first piece of
+  /// the inputs is in (the rank's stream may not have reached the
+  /// operation), and by default.
   virtual void stage_out_early(GpuStage& stage, int rank, std::uint64_t offset, std::uint64_t bytes) {
     (void)stage, (void)rank, (void)offset, (void)bytes;
   }

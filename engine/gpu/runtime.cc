@@ -1065,13 +1065,16 @@ class CudaExecutor final : public GpuExecutor {
         bytes > gr.bytes - offset) {
       return;
     }
+    // The output is ours to write once the rank's stream reached the
+    // operation, that is once the first piece of its input is in. The
+    // exchange may start before (GpuStage::in): stage_out copies what comes
+    // earlier.
+    if (st.in && st.in->reached.load(std::memory_order_acquire) == 0) return;
     const int dev = gr.reg->device->device();
     std::lock_guard lock(mu_);
     cudaSetDevice(dev);
     // The out stream: never behind a stream that waits for a client's next
-    // input. The exchange began once (the first piece of) every rank's input
-    // was copied in, so after its stream reached the operation: its output
-    // is ours to write.
+    // input.
     cudaStream_t stream = devices_[dev].out_streams[st.slot];
     check_rt(cudaMemcpyAsync(on_device(gr, dev) + offset, st.recv[r].ptr + offset, bytes,
                              cudaMemcpyHostToDevice, stream),
