@@ -106,6 +106,10 @@ constexpr std::uint64_t kOffloadBytes = std::uint64_t{8} << 20;
 /// worker pool beside a one-rank pairwise all-gather's exchange (where cores
 /// are spare), not on the thread that serves the peers.
 constexpr std::uint64_t kOwnCopyAsyncBytes = std::uint64_t{256} << 10;
+/// The smallest part of a one-chunk reduction that goes to the worker pool
+/// (Algorithms::pairwise_reduce_scatter): below it the hand-off costs more
+/// than the part's pass.
+constexpr std::uint64_t kSplitReduceBytes = std::uint64_t{128} << 10;
 /// The smallest segment whose pairwise all-gather waits for ready to receive
 /// (Algorithms::all_gather_waits).
 constexpr std::uint64_t kAllGatherReadyBytes = std::uint64_t{512} << 10;
@@ -280,14 +284,43 @@ class Algorithms {
     // come in: one thread reduced every byte before, at a few GB/s, and the
     // transfers waited for it (2 daemons on a 32-core host: reduce-scatter
     // at 0.45-0.63x NCCL on sockets, host buffers 0.7-0.86x).
-    auto reduce_chunk = [this, buf, &mine, dtype, op, own_out](std::vector<NodePayload>& in,
-                                                              std::uint64_t from, std::uint64_t to) {
+    // Bytes [from, to) of the chunk that starts at `first` (in[j] holds
+    // node j's bytes of the whole chunk).
+    auto reduce_part = [this, buf, &mine, dtype, op, own_out](const std::vector<NodePayload>& in,
+                                                             std::uint64_t first, std::uint64_t from,
+                                                             std::uint64_t to) {
       std::vector<const void*> srcs(n_);
       for_pieces(buf, mine, from, to, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
-        for (int j = 0; j < n_; ++j) srcs[j] = j == i_ ? static_cast<const void*>(p) : in[j].data() + off;
+        for (int j = 0; j < n_; ++j) {
+          srcs[j] = j == i_ ? static_cast<const void*>(p) : in[j].data() + (from - first) + off;
+        }
         std::byte* dst = own_out != nullptr ? own_out + from + off : p;
         reduce(dtype, op, dst, srcs.data(), srcs.size(), len / dtype_size(dtype), 1);
       });
+    };
+    auto reduce_chunk = [reduce_part](std::vector<NodePayload>& in, std::uint64_t from, std::uint64_t to) {
+      reduce_part(in, from, from, to);
+    };
+    // A segment of one chunk: its reduction cut in parts over the worker
+    // pool, one part on this thread (where cores are spare; see below).
+    auto reduce_split = [&](const std::shared_ptr<std::vector<NodePayload>>& in, std::uint64_t from,
+                            std::uint64_t to) {
+      const std::uint64_t parts =
+          std::min<std::uint64_t>(static_cast<std::uint64_t>(ch_.parallelism()), (to - from) / kSplitReduceBytes);
+      if (parts <= 1) {
+        reduce_part(*in, from, from, to);
+        return;
+      }
+      // Whole cache lines (64 bytes: whole elements of every type).
+      const std::uint64_t step = ((to - from) / parts + 63) / 64 * 64;
+      std::vector<std::unique_ptr<PendingPass>> others;
+      for (std::uint64_t a = from + step; a < to; a += step) {
+        const std::uint64_t b = std::min(to, a + step);
+        others.push_back(std::make_unique<PendingPass>(
+            ch_, ch_.compute_async([reduce_part, in, from, a, b] { reduce_part(*in, from, a, b); })));
+      }
+      reduce_part(*in, from, from, std::min(to, from + step));
+      for (auto& o : others) o->wait();
     };
     auto gather = [&](std::uint64_t c, std::uint64_t from, std::uint64_t to) {
       if (own_out != nullptr) {
@@ -304,10 +337,14 @@ class Algorithms {
       }
       for (int k = 1; k < n_; ++k) ch_.send(mod(i_ + k), tag_of(base_, gather_phase, 0, c), pieces, nullptr);
     };
-    // A segment of one chunk has nothing to overlap its reduction with: the
-    // hand-off to the pool and back only adds its latency (2 daemons on a
-    // 32-core host, 1 MiB all-reduce on host buffers: 700 us through the
-    // pool, 360-560 us inline).
+    // A segment of one chunk has nothing to overlap its reduction with:
+    // handed to the pool whole, the hand-off and back only added its latency
+    // (2 daemons on a 32-core host, 1 MiB all-reduce on host buffers: 700 us
+    // through the pool, 360-560 us inline). Cut in parts reduced at once, on
+    // this thread and on the pool (reduce_split), it takes what one core's
+    // memory bandwidth allows over a part: one thread reduced a 512 KiB
+    // segment of staged host memory in ~80-110 us (2 H200, 2 daemons,
+    // reduce-scatter 1 MiB), while the exchange waited.
     const int window = chunks(total) > 1 ? ch_.parallelism() : 1;
     struct Running {
       NodeChannel::Ticket ticket;
@@ -335,7 +372,7 @@ class Algorithms {
         }
         need(buf, mine, from, to);  // this node's own contribution to the chunk
         if (window <= 1) {
-          reduce_chunk(*in, from, to);
+          reduce_split(in, from, to);
           gather(c, from, to);
           continue;
         }

@@ -44,7 +44,27 @@ void BulkIo::write(int fd, std::vector<iovec> iov, Done done) {
   Task t{fd, std::move(iov), std::move(done)};
   std::lock_guard lock(writes_.mu);
   writes_.tasks.push_back(std::move(t));
-  writes_.cv.notify_one();
+  if (held_ != 0) {
+    ++deferred_;
+  } else {
+    writes_.cv.notify_one();
+  }
+}
+
+BulkIo::Batch::Batch(BulkIo& io) : io_(io) {
+  std::lock_guard lock(io_.writes_.mu);
+  ++io_.held_;
+}
+
+BulkIo::Batch::~Batch() {
+  std::lock_guard lock(io_.writes_.mu);
+  if (--io_.held_ != 0) return;
+  if (io_.deferred_ >= io_.writers_.size()) {
+    io_.writes_.cv.notify_all();
+  } else {
+    for (unsigned i = 0; i < io_.deferred_; ++i) io_.writes_.cv.notify_one();
+  }
+  io_.deferred_ = 0;
 }
 
 void BulkIo::serve(Queue& q, bool reading) {

@@ -54,6 +54,23 @@ class BulkIo {
 
   unsigned threads() const { return static_cast<unsigned>(readers_.size()); }
 
+  /// While a Batch lives, write() queues without waking a thread; its end
+  /// wakes one per write queued meanwhile. For the chunks of one message
+  /// spread over several streams: each wake-up can put the woken thread on
+  /// the caller's core ahead of it, so that the next chunk was handed over
+  /// ~15 us later (measured on 2 H200, 2 daemons); woken together, the
+  /// threads start together. Nests; one thread's (the event loop's).
+  class Batch {
+   public:
+    explicit Batch(BulkIo& io);
+    ~Batch();
+    Batch(const Batch&) = delete;
+    Batch& operator=(const Batch&) = delete;
+
+   private:
+    BulkIo& io_;
+  };
+
  private:
   struct Task {
     int fd = -1;
@@ -70,6 +87,8 @@ class BulkIo {
   int transfer(Task& t, bool reading, std::size_t& moved);
 
   Queue reads_, writes_;
+  // Under writes_.mu: open Batches, and the writes queued under them.
+  unsigned held_ = 0, deferred_ = 0;
   std::atomic<bool> stop_{false};
   std::vector<std::thread> readers_, writers_;
 };

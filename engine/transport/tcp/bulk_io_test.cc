@@ -114,3 +114,40 @@ TEST_CASE("bulk io: shutdown(2) by the owner ends a stalled write; a stop ends a
   CHECK(std::chrono::steady_clock::now() - t0 < 3s);
   CHECK(called);
 }
+
+TEST_CASE("bulk io: writes queued under a batch (nested) all go once it ends") {
+  // Four writers, six writes: the batch's end wakes them all (notify_all),
+  // and a batch of fewer writes than threads one thread per write.
+  BulkIo io(4);
+  for (int writes : {6, 2}) {
+    CAPTURE(writes);
+    std::vector<Pair> pairs(static_cast<std::size_t>(writes));
+    std::vector<std::vector<std::byte>> out, in;
+    std::vector<std::promise<Result>> done(pairs.size()), got(pairs.size());
+    {
+      BulkIo::Batch outer(io);
+      BulkIo::Batch inner(io);
+      for (std::size_t k = 0; k < pairs.size(); ++k) {
+        out.push_back(pattern(256 << 10, static_cast<unsigned>(k)));
+        io.write(pairs[k].fd[0], {iovec{out[k].data(), out[k].size()}},
+                 [&done, k](int e, std::size_t n) { done[k].set_value({e, n}); });
+      }
+    }
+    for (std::size_t k = 0; k < pairs.size(); ++k) {
+      in.emplace_back(out[k].size());
+      io.read(pairs[k].fd[1], in[k].data(), in[k].size(),
+              [&got, k](int e, std::size_t n) { got[k].set_value({e, n}); });
+    }
+    for (std::size_t k = 0; k < pairs.size(); ++k) {
+      auto f = done[k].get_future();
+      REQUIRE(f.wait_for(5s) == std::future_status::ready);
+      const Result r = f.get();
+      CHECK(r.err == 0);
+      CHECK(r.n == out[k].size());
+      auto g = got[k].get_future();
+      REQUIRE(g.wait_for(5s) == std::future_status::ready);
+      CHECK(g.get().err == 0);
+      CHECK(in[k] == out[k]);
+    }
+  }
+}
