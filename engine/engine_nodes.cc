@@ -371,6 +371,21 @@ class EngineChannel final : public NodeChannel {
         break;
       }
     }
+    wait_pieces(need, rank);
+  }
+
+  /// Returns once every piece is in: the ranks' streams reached the
+  /// operation and their inputs are in host memory. The algorithms read all
+  /// of every input, so that this returns at once after them, except on a
+  /// broadcast's node without its root, whose one empty piece is only the
+  /// streams' wait: its exchange may end first, and its outputs go back to
+  /// the GPUs only after that (stage_out). Nothing to wait for without pieces.
+  void await_inputs() {
+    if (in_pieces) wait_pieces(in_pieces->count, -1);
+  }
+
+ private:
+  void wait_pieces(std::uint32_t need, int rank) {
     while (in_pieces->reached.load(std::memory_order_acquire) < need) {
       {
         std::lock_guard lock(I_.mu);
@@ -385,6 +400,8 @@ class EngineChannel final : public NodeChannel {
       Executor::wait(*comm_->exec);
     }
   }
+
+ public:
 
   /// Where chunks of the local ranks' outputs told final go (a staged GPU
   /// operation copies them back to the GPU early); unset: nowhere.
@@ -485,8 +502,8 @@ class EngineChannel final : public NodeChannel {
     }
   }
   std::string input_of(int rank) const {
-    return "the input of " + (rank < 0 ? std::string("a rank") : comm_->who(rank)) + " on node " +
-           I_.options.node_name;
+    if (rank < 0) return "the inputs of the ranks on node " + I_.options.node_name;
+    return "the input of " + comm_->who(rank) + " on node " + I_.options.node_name;
   }
 
  private:
@@ -1098,6 +1115,7 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
                    {"algorithm", node_algorithm(op.kind, bytes, static_cast<int>(comm.node_address.size()), algorithms)}});
       }
       run_node_collective(ch, op, algorithms, 0);
+      ch.await_inputs();
     }
   } catch (const Error& e) {
     code = e.code();
