@@ -402,7 +402,6 @@ class EngineChannel final : public NodeChannel {
   }
 
  public:
-
   /// Where chunks of the local ranks' outputs told final go (a staged GPU
   /// operation copies them back to the GPU early); unset: nowhere.
   std::function<void(const std::byte*, std::uint64_t)> on_written;
