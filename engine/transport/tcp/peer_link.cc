@@ -33,7 +33,8 @@ constexpr std::uint64_t kSpreadMinBytes = 512 * 1024;
 // frame, unframed (DataChunk.raw), so frames stay small whatever
 // tcp.chunk_bytes is.
 constexpr std::uint64_t kMaxPeerFrame = std::uint64_t{1} << 20;
-// What one read of a stream takes at most into its frame decoder (read_next).
+// What one read of a stream with copy threads takes at most into its frame
+// decoder (read_next).
 constexpr std::size_t kFrameReadBytes = 8 * 1024;
 
 std::uint64_t steady_ns() {
@@ -157,16 +158,19 @@ bool PeerStream::set_max_frame(std::uint64_t max_frame_bytes) {
 }
 
 void PeerStream::read_next() {
-  // Frames are read in small slices: a chunk's raw bytes follow its frame,
-  // and whatever of them a read takes into the decoder is copied again from
-  // there (drain) on this thread, one chunk after the other. With 64 KiB
-  // reads, half of every 128 KiB chunk of a message spread over the streams
-  // passed through the event loop twice before a copy thread took the rest
-  // (measured on 2 H200, 2 daemons: the four frames of one 512 KiB message
-  // handled ~16 us apart). Reading kFrameReadBytes, the raw bytes go from the
-  // socket straight to where they belong.
+  // With copy threads, frames are read in small slices: a chunk's raw bytes
+  // follow its frame, and whatever of them a read takes into the decoder is
+  // copied again from there (drain) on this thread, one chunk after the
+  // other, before a copy thread takes the rest. With 64 KiB reads, half of
+  // every 128 KiB piece of a message spread over the streams passed through
+  // the event loop twice (measured on 2 H200, 2 daemons: the four frames of
+  // one 512 KiB message handled ~16 us apart). Reading kFrameReadBytes, the
+  // raw bytes go from the socket straight to where they belong. Without
+  // copy threads this thread copies every byte anyway, and the larger read
+  // was the faster one (2 cores, 4 daemons: all-gather and reduce-scatter
+  // 2-8 MiB 0.77-0.99x with 8 KiB reads, 6 interleaved rounds).
   auto space = decoder_.read_space();
-  if (space.size() > kFrameReadBytes) space = space.first(kFrameReadBytes);
+  if (bulk_ != nullptr && space.size() > kFrameReadBytes) space = space.first(kFrameReadBytes);
   socket_.async_read_some(asio::buffer(space.data(), space.size()),
                           [self = shared_from_this()](const boost::system::error_code& ec,
                                                       std::size_t n) { self->on_read(ec, n); });
