@@ -384,24 +384,6 @@ class EngineChannel final : public NodeChannel {
     if (in_pieces) wait_pieces(in_pieces->count, -1);
   }
 
- private:
-  void wait_pieces(std::uint32_t need, int rank) {
-    while (in_pieces->reached.load(std::memory_order_acquire) < need) {
-      {
-        std::lock_guard lock(I_.mu);
-        check_ended_locked(rank);
-      }
-      if (Clock::now() >= deadline_) {
-        throw Error(Code::timeout, "timed out after " + std::to_string(budget_.count()) +
-                                       " ms (deadlines.operation_ms) waiting for " + input_of(rank) +
-                                       " to reach host memory");
-      }
-      // Until the completion thread sees the next piece in (InPieces::on_change).
-      Executor::wait(*comm_->exec);
-    }
-  }
-
- public:
   /// Where chunks of the local ranks' outputs told final go (a staged GPU
   /// operation copies them back to the GPU early); unset: nowhere.
   std::function<void(const std::byte*, std::uint64_t)> on_written;
@@ -503,6 +485,23 @@ class EngineChannel final : public NodeChannel {
   std::string input_of(int rank) const {
     if (rank < 0) return "the inputs of the ranks on node " + I_.options.node_name;
     return "the input of " + comm_->who(rank) + " on node " + I_.options.node_name;
+  }
+  /// Until the first `need` pieces in copy order are in (InPieces), within
+  /// the deadline; `rank`: whose input, for the errors (-1: this node's).
+  void wait_pieces(std::uint32_t need, int rank) {
+    while (in_pieces->reached.load(std::memory_order_acquire) < need) {
+      {
+        std::lock_guard lock(I_.mu);
+        check_ended_locked(rank);
+      }
+      if (Clock::now() >= deadline_) {
+        throw Error(Code::timeout, "timed out after " + std::to_string(budget_.count()) +
+                                       " ms (deadlines.operation_ms) waiting for " + input_of(rank) +
+                                       " to reach host memory");
+      }
+      // Until the completion thread sees the next piece in (InPieces::on_change).
+      Executor::wait(*comm_->exec);
+    }
   }
 
  private:

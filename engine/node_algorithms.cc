@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
-#include <exception>
 
 #include "engine/reduce.h"
 #include "ipc/error.h"
@@ -313,14 +312,13 @@ class Algorithms {
       }
       // Whole cache lines (64 bytes: whole elements of every type).
       const std::uint64_t step = ((to - from) / parts + 63) / 64 * 64;
-      std::vector<std::unique_ptr<PendingPass>> others;
+      std::deque<PendingPass> others;
       for (std::uint64_t a = from + step; a < to; a += step) {
         const std::uint64_t b = std::min(to, a + step);
-        others.push_back(std::make_unique<PendingPass>(
-            ch_, ch_.compute_async([reduce_part, in, from, a, b] { reduce_part(*in, from, a, b); })));
+        others.emplace_back(ch_, ch_.compute_async([reduce_part, in, from, a, b] { reduce_part(*in, from, a, b); }));
       }
       reduce_part(*in, from, from, std::min(to, from + step));
-      for (auto& o : others) o->wait();
+      for (auto& o : others) o.wait();
     };
     auto gather = [&](std::uint64_t c, std::uint64_t from, std::uint64_t to) {
       if (own_out != nullptr) {
@@ -347,55 +345,43 @@ class Algorithms {
     // reduce-scatter 1 MiB), while the exchange waited.
     const int window = chunks(total) > 1 ? ch_.parallelism() : 1;
     struct Running {
-      NodeChannel::Ticket ticket;
+      Running(NodeChannel& ch, NodeChannel::Ticket t, std::uint64_t chunk, std::uint64_t a, std::uint64_t b)
+          : pass(ch, std::move(t)), c(chunk), from(a), to(b) {}
+      PendingPass pass;
       std::uint64_t c, from, to;
     };
-    std::deque<Running> running;  // oldest first: gathers go out in chunk order
+    // Oldest first: gathers go out in chunk order. Should the operation
+    // fail, the passes still running are waited for as `running` goes (no
+    // reduction may write into the ranks' buffers after the operation).
+    std::deque<Running> running;
     auto finish_oldest = [&] {
-      const Running r = std::move(running.front());
-      running.pop_front();
-      ch_.compute_wait(r.ticket);
+      Running& r = running.front();
+      r.pass.wait();
       gather(r.c, r.from, r.to);
+      running.pop_front();
     };
-    std::exception_ptr failed;
-    try {
-      for (std::uint64_t c = 0; c < chunks(total); ++c) {
-        // Plain copies: the pass below captures them (clang does not capture
-        // structured bindings).
-        const ChunkSpan span = chunk_span(total, c);
-        const std::uint64_t from = span.from, to = span.to;
-        auto in = std::make_shared<std::vector<NodePayload>>(n_);
-        for (int j = 0; j < n_; ++j) {
-          if (j == i_) continue;
-          (*in)[j] = ch_.recv(j, tag_of(base_, phase, static_cast<std::uint64_t>(j), c));
-          expect_size((*in)[j], to - from, j);
-        }
-        need(buf, mine, from, to);  // this node's own contribution to the chunk
-        if (window <= 1) {
-          reduce_split(in, from, to);
-          gather(c, from, to);
-          continue;
-        }
-        running.push_back({ch_.compute_async([reduce_chunk, in, from, to]() mutable {
-                             reduce_chunk(*in, from, to);
-                           }),
-                           c, from, to});
-        while (static_cast<int>(running.size()) >= window) finish_oldest();
+    for (std::uint64_t c = 0; c < chunks(total); ++c) {
+      // Plain copies: the pass below captures them (clang does not capture
+      // structured bindings).
+      const ChunkSpan span = chunk_span(total, c);
+      const std::uint64_t from = span.from, to = span.to;
+      auto in = std::make_shared<std::vector<NodePayload>>(n_);
+      for (int j = 0; j < n_; ++j) {
+        if (j == i_) continue;
+        (*in)[j] = ch_.recv(j, tag_of(base_, phase, static_cast<std::uint64_t>(j), c));
+        expect_size((*in)[j], to - from, j);
       }
-      while (!running.empty()) finish_oldest();
-    } catch (...) {
-      failed = std::current_exception();
-    }
-    if (failed) {
-      // No reduction may write into the ranks' buffers after the operation.
-      for (const Running& r : running) {
-        try {
-          ch_.compute_wait(r.ticket);
-        } catch (...) {
-        }
+      need(buf, mine, from, to);  // this node's own contribution to the chunk
+      if (window <= 1) {
+        reduce_split(in, from, to);
+        gather(c, from, to);
+        continue;
       }
-      std::rethrow_exception(failed);
+      running.emplace_back(ch_, ch_.compute_async([reduce_chunk, in, from, to]() mutable { reduce_chunk(*in, from, to); }),
+                           c, from, to);
+      while (static_cast<int>(running.size()) >= window) finish_oldest();
     }
+    while (!running.empty()) finish_oldest();
     // The other segments went out in place; the caller overwrites them next.
     if (flush) ch_.flush();
   }

@@ -856,14 +856,12 @@ class CudaExecutor final : public GpuExecutor {
       // ~120 us after its input was in host memory.
       const bool waits_only = op.kind == OpKind::broadcast && in_bytes == 0 && op.count != 0;
       if (uniform && (in_bytes != 0 || waits_only)) {
-        piece = waits_only ? 0 : op.in_piece_bytes;
-        pieces = waits_only ? 1 : static_cast<std::uint32_t>((in_bytes + piece - 1) / piece);
+        piece = op.in_piece_bytes;
+        pieces = std::max<std::uint32_t>(1, static_cast<std::uint32_t>((in_bytes + piece - 1) / piece));
         st->in = std::make_shared<InPieces>();
-        st->in->piece = std::max<std::uint64_t>(piece, 1);
+        st->in->piece = piece;
         st->in->count = pieces;
-        st->in->first = waits_only ? 0
-                                   : static_cast<std::uint32_t>(
-                                         std::min<std::uint64_t>(op.in_first_byte / piece, pieces - 1));
+        st->in->first = static_cast<std::uint32_t>(std::min<std::uint64_t>(op.in_first_byte / piece, pieces - 1));
         // Piece 0 of every rank is `p`: it tells st->in too (with its
         // deadline's error, naming the ranks whose input never came).
         p.done = [in = st->in, ready = std::move(p.done)](Code code, std::string why) {
