@@ -26,6 +26,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+/// One rank's node name in the header's exchange (collective_status_t's field).
+constexpr std::size_t kNodeNameBytes = sizeof(collective_status_t::node_name);
+
 enum class Op { all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all };
 constexpr Op kAllOps[] = {Op::all_reduce, Op::all_gather, Op::reduce_scatter,
                           Op::broadcast,  Op::reduce,     Op::all_to_all};
@@ -542,6 +545,24 @@ struct Rank {
     return q[0];
   }
 
+  /// Every rank's node name (`mine` from each rank), through the daemon.
+  std::vector<std::string> node_names(const char* mine) {
+    std::memset(sendbuf, 0, kNodeNameBytes);
+    std::memcpy(sendbuf, mine, strnlen(mine, kNodeNameBytes - 1));
+    collective_request_t* r = nullptr;
+    if (collective_all_gather(comm, sendbuf, recvbuf, kNodeNameBytes, COLLECTIVE_UINT8, &r) !=
+        COLLECTIVE_OK) {
+      die("node name exchange");
+    }
+    wait_one(r, "node name exchange");
+    std::vector<std::string> names;
+    for (int i = 0; i < o.nranks; ++i) {
+      const char* p = recvbuf + static_cast<std::size_t>(i) * kNodeNameBytes;
+      names.emplace_back(p, strnlen(p, kNodeNameBytes - 1));
+    }
+    return names;
+  }
+
   void print_header() {
     std::printf("#%62s%-34s%s\n", "", "out-of-place", "in-place");
     std::printf("#%11s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %6s  %6s  %6s\n", "size",
@@ -631,8 +652,10 @@ struct Rank {
     }
     buf_bytes = std::max<std::size_t>(o.max_bytes, 64);
     if (o.gpu) gpu_setup();
-    // -g: the host buffers only carry the results exchange.
-    const std::size_t host_bytes = o.gpu ? 64 : buf_bytes;
+    // -g: the host buffers only carry the results exchange and the node names.
+    const std::size_t host_bytes =
+        o.gpu ? std::max<std::size_t>(64, kNodeNameBytes * static_cast<std::size_t>(o.nranks))
+              : std::max(buf_bytes, kNodeNameBytes * static_cast<std::size_t>(o.nranks));
     void* a = nullptr;
     void* b = nullptr;
     if (collective_host_alloc(client, host_bytes, &a) != COLLECTIVE_OK ||
@@ -643,9 +666,12 @@ struct Rank {
     recvbuf = static_cast<char*>(b);
     std::memset(sendbuf, 0, host_bytes);
     std::memset(recvbuf, 0, host_bytes);
+    // Each rank's node is its own daemon's (ranks go to the daemons round
+    // robin), so every rank asks its daemon and rank 0 prints them all.
+    collective_status_t st{};
+    if (collective_status(client, &st) != COLLECTIVE_OK) die("status");
+    const std::vector<std::string> nodes = node_names(st.node_name);
     if (rank == 0) {
-      collective_status_t st{};
-      collective_status(client, &st);
       std::printf("# collective-perf (collectived %s): nranks %d, minBytes %zu maxBytes %zu "
                   "step: %s warmup iters: %d iters: %d validation: %d blocking: %d\n",
                   st.daemon_version, o.nranks, o.min_bytes, o.max_bytes,
@@ -662,11 +688,11 @@ struct Rank {
       for (int r = 0; r < o.nranks; ++r) {
         const std::string& s = o.daemons[r % o.daemons.size()];
         if (o.gpu) {
-          std::printf("#  Rank %2d Group  0 on node %s daemon %s (GPU %d)\n", r, st.node_name,
+          std::printf("#  Rank %2d Group  0 on node %s daemon %s (GPU %d)\n", r, nodes[r].c_str(),
                       s.empty() ? "default" : s.c_str(), r % g.ngpus);
         } else {
           std::printf("#  Rank %2d Group  0 on node %s daemon %s (host memory)\n", r,
-                      st.node_name, s.empty() ? "default" : s.c_str());
+                      nodes[r].c_str(), s.empty() ? "default" : s.c_str());
         }
       }
       std::fflush(stdout);

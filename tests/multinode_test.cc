@@ -104,6 +104,25 @@ TEST_CASE("large operations take the ring and chain paths and stay correct") {
   });
 }
 
+TEST_CASE("collective-perf --daemons: ranks on the daemons round robin, each rank's node named") {
+  Cluster cl(2);
+  auto r =
+      run_program({perf_binary(), "-t", "3", "-b", "4K", "-e", "16K", "-f", "4", "-n", "2", "-w",
+                   "1", "--op", "all-gather", "--daemons", cl.socket(0) + "," + cl.socket(1)},
+                  60s);
+  INFO(r.output);
+  CHECK(r.code == 0);
+  // Ranks 0 and 2 on the first daemon (node0), rank 1 on the second (node1):
+  // the header once named rank 0's node for every rank.
+  CHECK(r.output.find("Rank  0 Group  0 on node node0 daemon " + cl.socket(0)) !=
+        std::string::npos);
+  CHECK(r.output.find("Rank  1 Group  0 on node node1 daemon " + cl.socket(1)) !=
+        std::string::npos);
+  CHECK(r.output.find("Rank  2 Group  0 on node node0 daemon " + cl.socket(0)) !=
+        std::string::npos);
+  CHECK(r.output.find("Out of bounds values : 0 OK") != std::string::npos);
+}
+
 TEST_CASE("large pairwise and chain operations: chunks received straight into the outputs stay "
           "correct, in and out of place") {
   // Default 1 MiB chunks: a chunk of 64 KiB or more that arrives after its
