@@ -204,6 +204,17 @@ std::unique_ptr<ipc::IncomingFrame> Connection::call(capnp::MessageBuilder& requ
 std::unique_ptr<ipc::IncomingFrame> Connection::wait_reply(std::uint64_t id,
                                                            Clock::time_point deadline) {
   std::unique_lock lock(state_mutex_);
+  struct Waiting {
+    std::atomic<int>& n;
+    ~Waiting() { n.fetch_sub(1); }
+  } waiting{waiters_};
+  if (waiters_.fetch_add(1) > 0 && ring_ok_) {
+    // A reader may sleep waiting for its own id only: from now on any
+    // completion wakes it. A completion published before this store did not
+    // wake it, and the drain below (after the fence) finds it.
+    ring_.header().wake_id.store(0, std::memory_order_seq_cst);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+  }
   for (;;) {
     drain_ring_locked();
     if (auto it = arrived_.find(id); it != arrived_.end()) {
@@ -217,7 +228,7 @@ std::unique_ptr<ipc::IncomingFrame> Connection::wait_reply(std::uint64_t id,
       // Become the reader until something arrives, then let waiters look.
       read_as_reader(lock, [&] {
         if ((id & ipc::kRingRequestBit) != 0 && ring_ok_) {
-          wait_ring(deadline);
+          wait_ring(deadline, id);
         } else {
           read_once(deadline);
         }
@@ -285,7 +296,7 @@ void Connection::drain_ring_locked() {
   }
 }
 
-void Connection::wait_ring(Clock::time_point deadline) {
+void Connection::wait_ring(Clock::time_point deadline, std::uint64_t id) {
   ipc::RingHeader& h = ring_.header();
   auto ready = [&] {
     return h.cq_tail.load(std::memory_order_acquire) != h.cq_head.load(std::memory_order_relaxed);
@@ -314,6 +325,9 @@ void Connection::wait_ring(Clock::time_point deadline) {
     sched_yield();
   }
   for (;;) {
+    // Woken for this id's completion only, while no other thread waits; the
+    // others' completions stay in the ring until this one comes.
+    h.wake_id.store(waiters_.load() > 1 ? 0 : id, std::memory_order_seq_cst);
     h.client_sleeping.store(1, std::memory_order_seq_cst);
     if (ready()) {
       h.client_sleeping.store(0);

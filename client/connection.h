@@ -74,8 +74,9 @@ class Connection {
   /// Moves completions from the ring into arrived_ (state_mutex_ held).
   void drain_ring_locked();
   /// Waits for a ring completion: spins briefly, then sleeps on the futex word
-  /// in short slices, checking the socket between them.
-  void wait_ring(Clock::time_point deadline);
+  /// in short slices, checking the socket between them. Asleep, it is woken
+  /// for the completion of `id` only, unless other threads wait too.
+  void wait_ring(Clock::time_point deadline, std::uint64_t id);
   void read_once(Clock::time_point deadline);
   /// Takes the reader role (state_mutex_ held by `lock`, no reader active),
   /// runs `read` unlocked, records a failure as the connection's error.
@@ -101,6 +102,9 @@ class Connection {
   std::mutex state_mutex_;
   std::condition_variable arrived_cv_;
   bool reader_active_ = false;
+  /// Threads in wait_reply: with more than one, a sleeping reader asks to be
+  /// woken for any completion (the others' ids are not its own).
+  std::atomic<int> waiters_{0};
   std::map<std::uint64_t, std::unique_ptr<ipc::IncomingFrame>> arrived_;
   std::optional<Error> broken_;
   ipc::FrameDecoder decoder_;  // used by the reader only

@@ -501,7 +501,11 @@ struct Rank {
           reqs.push_back(r);
         }
       }
-      for (auto* r : reqs) wait_one(r, "timed run");
+      // The last first, like nccl-tests' one synchronize of the stream for
+      // the whole batch: one communicator's operations complete in order, so
+      // the others are done by then, and the client sleeps through their
+      // completions instead of waking for each (ipc/ring.h wake_id).
+      for (auto it = reqs.rbegin(); it != reqs.rend(); ++it) wait_one(*it, "timed run");
       reqs.clear();
     };
     run(o.warmup);

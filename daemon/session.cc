@@ -150,15 +150,22 @@ void ClientSession::send_reply(std::uint64_t id, std::vector<std::byte> frame) {
         return;
       }
     }
-    wake_client();
+    wake_client(id);
     return;
   }
   send(std::move(frame));
 }
 
-void ClientSession::wake_client() {
+void ClientSession::wake_client(std::uint64_t id) {
   ipc::RingHeader& h = ring_.header();
-  // The client sleeps on this futex word only after announcing it (ipc/ring.h).
+  // The client sleeps on this futex word only after announcing it and the id
+  // it waits for (ipc/ring.h); the completion was published (seq_cst) before
+  // these loads, so a client that checked the ring before it slept saw it.
+  // wake_id is the client's own memory: a wrong value only delays its own
+  // wake-up (it sleeps in slices).
+  if (h.client_sleeping.load(std::memory_order_seq_cst) == 0) return;
+  const std::uint64_t want = h.wake_id.load(std::memory_order_seq_cst);
+  if (id != 0 && want != 0 && want != id) return;
   if (h.client_sleeping.exchange(0, std::memory_order_seq_cst) != 0) {
     ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&h.client_sleeping), FUTEX_WAKE,
               INT32_MAX, nullptr, nullptr, 0);
@@ -178,7 +185,7 @@ bool ClientSession::flush_ring_overflow() {
     }
     if (cq_overflow_.empty()) h.cq_overflow.store(0, std::memory_order_seq_cst);
   }
-  if (moved) wake_client();
+  if (moved) wake_client(0);
   return moved;
 }
 

@@ -111,7 +111,9 @@ class ClientSession : public std::enable_shared_from_this<ClientSession> {
   void dispatch_hot(std::uint64_t id, wire::Message::Reader m, bool from_worker);
   /// Replies through the ring when the request came through it, else the socket.
   void send_reply(std::uint64_t id, std::vector<std::byte> frame);
-  void wake_client();
+  /// Wakes the client if it sleeps on its completion ring waiting for `id`
+  /// (0: whatever it waits for).
+  void wake_client(std::uint64_t id);
   bool flush_ring_overflow();
   void handle_collective(std::uint64_t id, wire::Collective::Reader req, bool from_worker);
   void handle_p2p(std::uint64_t id, wire::P2PGroup::Reader req, bool from_worker);

@@ -27,7 +27,7 @@
 namespace collectived::ipc {
 
 inline constexpr std::uint32_t kRingMagic = 0x47524443;  // "CDRG"
-inline constexpr std::uint32_t kRingVersion = 1;
+inline constexpr std::uint32_t kRingVersion = 2;
 inline constexpr std::uint32_t kRingSlotBytes = 512;
 inline constexpr std::uint32_t kRingSlots = 256;
 /// Request ids with this bit travel through the rings (both ways).
@@ -44,6 +44,13 @@ struct RingHeader {
   alignas(64) std::atomic<std::uint64_t> cq_tail;  // daemon produces
   alignas(64) std::atomic<std::uint32_t> daemon_sleeping;
   alignas(64) std::atomic<std::uint32_t> client_sleeping;
+  /// The request id whose completion the sleeping client waits for; 0: any.
+  /// The daemon wakes a sleeping client only for that id's completion (or
+  /// any, with 0), so a client waiting for the last of many queued
+  /// operations sleeps through the others' completions instead of waking for
+  /// each (a futex wake in the daemon, a context switch and a re-sleep in the
+  /// client, per operation).
+  alignas(64) std::atomic<std::uint64_t> wake_id;
   /// Set by the daemon while completions wait for room in the completion
   /// ring; a client that drains it then rings the doorbell if the daemon sleeps.
   alignas(64) std::atomic<std::uint32_t> cq_overflow;
@@ -81,6 +88,7 @@ class RingView {
     h.sq_head = h.sq_tail = h.cq_head = h.cq_tail = 0;
     h.daemon_sleeping = h.client_sleeping = 0;
     h.cq_overflow = 0;
+    h.wake_id = 0;
   }
 
   /// True if the header describes the layout this build uses.

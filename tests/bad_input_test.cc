@@ -9,7 +9,11 @@
 #include <sys/eventfd.h>
 
 #include <random>
+#include <span>
+#include <thread>
 
+#include "client/collective.h"
+#include "ipc/frame.h"
 #include "ipc/ring.h"
 
 #include "tests/support/harness.h"
@@ -36,6 +40,48 @@ std::vector<std::byte> header(std::uint32_t magic, std::uint32_t len, std::uint3
   std::memcpy(h.data(), w, 16);
   return h;
 }
+
+/// A raw client's shared-memory rings (ipc/ring.h): a sealed memfd mapped
+/// here and a doorbell eventfd, initialized, not attached yet.
+struct TestRing {
+  UniqueFd mem{::memfd_create("ring", MFD_CLOEXEC | MFD_ALLOW_SEALING)};
+  UniqueFd bell{::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)};
+  void* p = MAP_FAILED;
+  ipc::RingView ring;
+
+  TestRing() {
+    REQUIRE(::ftruncate(mem.get(), static_cast<off_t>(ipc::ring_bytes())) == 0);
+    REQUIRE(::fcntl(mem.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0);
+    p = ::mmap(nullptr, ipc::ring_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, mem.get(), 0);
+    REQUIRE(p != MAP_FAILED);
+    ring = ipc::RingView(static_cast<std::byte*>(p));
+    ring.init();
+  }
+  ~TestRing() {
+    if (p != MAP_FAILED) ::munmap(p, ipc::ring_bytes());
+  }
+  TestRing(const TestRing&) = delete;
+  TestRing& operator=(const TestRing&) = delete;
+
+  ipc::RingHeader& header() const { return ring.header(); }
+  /// AttachRing with request `id` and `doorbell`; true when the daemon took it.
+  bool attach(RawClient& c, std::uint64_t id, int doorbell) {
+    capnp::MallocMessageBuilder b;
+    auto m = b.initRoot<wire::Message>();
+    m.setId(id);
+    m.initAttachRing().setBytes(ipc::ring_bytes());
+    c.send(b, {mem.get(), doorbell});
+    auto r = c.receive(5s);
+    return r && r->message().isOk();
+  }
+  /// Pushes `frame` into the submission ring and rings the doorbell.
+  void submit(std::span<const std::byte> frame) {
+    auto& h = header();
+    REQUIRE(ipc::RingView::push(h.sq_head, h.sq_tail, ring.sq_slot(h.sq_tail.load()), frame));
+    const std::uint64_t one = 1;
+    (void)!::write(bell.get(), &one, sizeof one);
+  }
+};
 
 std::uint64_t registrations(RawClient& c) {
   auto s = c.status(4242);
@@ -348,14 +394,7 @@ TEST_CASE("a client that corrupts its shared-memory ring is dropped; others are 
   Daemon d;
   RawClient c(d.socket());
   REQUIRE(c.hello());
-  UniqueFd mem(::memfd_create("ring", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  REQUIRE(::ftruncate(mem.get(), static_cast<off_t>(ipc::ring_bytes())) == 0);
-  REQUIRE(::fcntl(mem.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0);
-  void* p = ::mmap(nullptr, ipc::ring_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, mem.get(), 0);
-  REQUIRE(p != MAP_FAILED);
-  ipc::RingView ring(static_cast<std::byte*>(p));
-  ring.init();
-  UniqueFd bell(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  TestRing ring;
   {
     // A pipe is not an eventfd: refused.
     int pp[2];
@@ -364,7 +403,7 @@ TEST_CASE("a client that corrupts its shared-memory ring is dropped; others are 
     auto m = b.initRoot<wire::Message>();
     m.setId(2);
     m.initAttachRing().setBytes(ipc::ring_bytes());
-    c.send(b, {mem.get(), pp[0]});
+    c.send(b, {ring.mem.get(), pp[0]});
     auto r = c.receive(5s);
     REQUIRE(r);
     CHECK(error_code(*r) == Code::invalid_argument);
@@ -372,24 +411,16 @@ TEST_CASE("a client that corrupts its shared-memory ring is dropped; others are 
     ::close(pp[0]);
     ::close(pp[1]);
   }
-  capnp::MallocMessageBuilder b;
-  auto m = b.initRoot<wire::Message>();
-  m.setId(3);
-  m.initAttachRing().setBytes(ipc::ring_bytes());
-  c.send(b, {mem.get(), bell.get()});
-  auto r = c.receive(5s);
-  REQUIRE(r);
-  REQUIRE(r->message().isOk());
+  REQUIRE(ring.attach(c, 3, ring.bell.get()));
   // A slot holding garbage: answered with an error in the completion ring.
   std::vector<std::byte> junk(64, std::byte{0x42});
   auto& h = ring.header();
-  REQUIRE(ipc::RingView::push(h.sq_head, h.sq_tail, ring.sq_slot(h.sq_tail.load()), junk));
-  const std::uint64_t one = 1;
-  (void)!::write(bell.get(), &one, sizeof one);
+  ring.submit(junk);
   // Then indices that claim more entries than the ring holds.
   REQUIRE(eventually([&] { return h.sq_head.load() == h.sq_tail.load(); }, 5s));
   h.sq_tail.store(h.sq_head.load() + 5000);
-  (void)!::write(bell.get(), &one, sizeof one);
+  const std::uint64_t one = 1;
+  (void)!::write(ring.bell.get(), &one, sizeof one);
   // The garbage slot could not even be decoded, so its error has no request
   // id and comes by the socket; then the corrupt indices close the session.
   auto e1 = c.receive(5s);
@@ -401,6 +432,63 @@ TEST_CASE("a client that corrupts its shared-memory ring is dropped; others are 
   CHECK(error_code(*e2) == Code::protocol);
   CHECK(error_message(*e2).find("indices are corrupt") != std::string::npos);
   CHECK(c.closed_by_peer(5s));
-  ::munmap(p, ipc::ring_bytes());
+  check_daemon_serves_others(d);
+}
+
+TEST_CASE("the daemon wakes a client asleep on its ring only for the completion it waits for") {
+  Daemon d;
+  RawClient c(d.socket());
+  REQUIRE(c.hello());
+  TestRing ring;
+  REQUIRE(ring.attach(c, 2, ring.bell.get()));
+  // A communicator of one rank (by the socket), then barriers by the ring.
+  collective_client_t* tmp = nullptr;
+  REQUIRE(collective_connect(d.socket().c_str(), "id maker", &tmp) == COLLECTIVE_OK);
+  collective_unique_id_t uid;
+  REQUIRE(collective_get_unique_id(tmp, &uid) == COLLECTIVE_OK);
+  collective_disconnect(tmp);
+  capnp::MallocMessageBuilder init;
+  auto m = init.initRoot<wire::Message>();
+  m.setId(3);
+  auto ci = m.initCommInit();
+  std::uint8_t secret[16] = {7};
+  ci.setSecret(capnp::Data::Reader(secret, 16));
+  ci.setRendezvous(uid.internal + 24);
+  ci.setNranks(1);
+  ci.setRank(0);
+  c.send(init);
+  auto ready = c.receive(5s);
+  REQUIRE(ready);
+  REQUIRE(ready->message().isCommReady());
+  const auto comm = ready->message().getCommReady().getComm();
+  auto barrier = [&](std::uint64_t id) {
+    capnp::MallocMessageBuilder b;
+    auto bm = b.initRoot<wire::Message>();
+    bm.setId(ipc::kRingRequestBit | id);
+    auto col = bm.initCollective();
+    col.setComm(comm);
+    col.setKind(wire::OpKind::BARRIER);
+    ring.submit(ipc::encode_frame(b));
+  };
+  auto& h = ring.header();
+  auto completed = [&](std::uint64_t n) {
+    return eventually([&] { return h.cq_tail.load() == n; }, 5s);
+  };
+  // Asleep for request 11: the completion of 10 does not wake it, 11's does.
+  h.wake_id.store(ipc::kRingRequestBit | 11);
+  h.client_sleeping.store(1);
+  barrier(10);
+  REQUIRE(completed(1));
+  std::this_thread::sleep_for(100ms);  // a wake-up would follow the completion at once
+  CHECK(h.client_sleeping.load() == 1);
+  barrier(11);
+  REQUIRE(completed(2));
+  CHECK(eventually([&] { return h.client_sleeping.load() == 0; }, 5s));
+  // Asleep for any completion (0): the next one wakes it.
+  h.wake_id.store(0);
+  h.client_sleeping.store(1);
+  barrier(12);
+  REQUIRE(completed(3));
+  CHECK(eventually([&] { return h.client_sleeping.load() == 0; }, 5s));
   check_daemon_serves_others(d);
 }

@@ -3,11 +3,13 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <thread>
 #include <vector>
 
 #include "client/collective.hpp"
+#include "tests/support/collective_check.h"
 #include "tests/support/harness.h"
 
 using namespace collectived::test;
@@ -76,6 +78,66 @@ TEST_CASE("one client used from many threads at once") {
   for (auto& th : threads) th.join();
   CHECK(failures == 0);
   CHECK(client.status().registrations == 0);
+}
+
+TEST_CASE("a thread asleep on the completion ring for its operation does not hold up another's") {
+  // The sleeping reader asks the daemon to wake it for its own completion
+  // only (ipc/ring.h wake_id); with a second thread waiting, for any. Without
+  // that, the second thread's completion would wait in the ring until the
+  // reader's sleep slice (20 ms) ran out: 20 of them ~200 ms.
+  using Clock = std::chrono::steady_clock;
+  Daemon d;
+  const auto ida = new_id(d.socket()), idb = new_id(d.socket());
+  collective_client_t* c1 = nullptr;
+  collective_client_t* c2 = nullptr;
+  REQUIRE(collective_connect(d.socket().c_str(), "waiters", &c1) == COLLECTIVE_OK);
+  REQUIRE(collective_connect(d.socket().c_str(), "partner", &c2) == COLLECTIVE_OK);
+  collective_comm_t *a0 = nullptr, *a1 = nullptr, *b0 = nullptr, *b1 = nullptr;
+  auto init_pair = [&](const collective_unique_id_t& id, collective_comm_t** r0,
+                       collective_comm_t** r1) {
+    std::thread t([&] { CHECK(collective_comm_init_rank(c2, &id, 2, 1, r1) == COLLECTIVE_OK); });
+    CHECK(collective_comm_init_rank(c1, &id, 2, 0, r0) == COLLECTIVE_OK);
+    t.join();
+  };
+  init_pair(ida, &a0, &a1);
+  init_pair(idb, &b0, &b1);
+  REQUIRE((a0 && a1 && b0 && b1));
+  // Thread A waits on a barrier whose other rank comes only at the end.
+  std::atomic<int> a_result{-1};
+  std::thread a([&] {
+    collective_request_t* r = nullptr;
+    if (collective_barrier(a0, &r) != COLLECTIVE_OK) return;
+    a_result = collective_wait(r, 30000);
+  });
+  std::this_thread::sleep_for(200ms);  // A is the ring's reader, asleep
+  Clock::duration late{};
+  for (int i = 0; i < 20; ++i) {
+    collective_request_t* r = nullptr;
+    REQUIRE(collective_barrier(b0, &r) == COLLECTIVE_OK);
+    Clock::time_point sent;
+    std::thread partner([&] {
+      std::this_thread::sleep_for(2ms);  // this thread waits first
+      collective_request_t* q = nullptr;
+      sent = Clock::now();
+      if (collective_barrier(b1, &q) == COLLECTIVE_OK) collective_wait(q, 10000);
+    });
+    CHECK(collective_wait(r, 10000) == COLLECTIVE_OK);
+    const auto done = Clock::now();
+    partner.join();
+    late += done - sent;
+  }
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(late).count();
+  INFO("20 barriers completed " << ms << " ms after their second rank came, in all");
+  CHECK(ms < 100);
+  CHECK(a_result == -1);  // still waiting
+  collective_request_t* q = nullptr;
+  REQUIRE(collective_barrier(a1, &q) == COLLECTIVE_OK);
+  CHECK(collective_wait(q, 10000) == COLLECTIVE_OK);
+  a.join();
+  CHECK(a_result == COLLECTIVE_OK);
+  for (auto* c : {a0, a1, b0, b1}) collective_comm_destroy(c);
+  collective_disconnect(c1);
+  collective_disconnect(c2);
 }
 
 TEST_CASE("a registration beyond the node's limit fails with the profile key in the message") {
