@@ -2,6 +2,9 @@
 
 #include <doctest/doctest.h>
 
+#include <cfenv>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -113,6 +116,35 @@ TEST_CASE("fiber: a fiber resumed from inside another returns to it") {
   });
   CHECK(outer.resume());
   CHECK(trace == std::vector<int>{1, 2, 3, 4, 5});
+}
+
+TEST_CASE("fiber: the rounding mode and the stack alignment are the fiber's own across switches") {
+  // The x87 control word and MXCSR are callee-saved by the ABI: a switch
+  // keeps them with the registers (swapcontext does; a hand-written switch
+  // must too). A fiber's stack is aligned for SSE, as the snprintf of a
+  // double below needs.
+  int inside_mode = -1, after_yield_mode = -1;
+  std::uintptr_t misaligned = 1;
+  char text[32] = {};
+  Fiber f([&] {
+    alignas(16) volatile double d = 1.0;
+    misaligned = reinterpret_cast<std::uintptr_t>(&d) % 16;
+    std::fesetround(FE_UPWARD);
+    inside_mode = std::fegetround();
+    Fiber::current()->yield();
+    after_yield_mode = std::fegetround();
+    std::snprintf(text, sizeof text, "%.3f", d / 3.0);
+    std::fesetround(FE_TONEAREST);
+  });
+  REQUIRE(std::fegetround() == FE_TONEAREST);
+  CHECK_FALSE(f.resume());
+  CHECK(inside_mode == FE_UPWARD);
+  CHECK(std::fegetround() == FE_TONEAREST);  // the resumer's mode, back
+  CHECK(f.resume());
+  CHECK(after_yield_mode == FE_UPWARD);
+  CHECK(misaligned == 0);
+  CHECK(std::string(text) == "0.334");  // rounded up
+  CHECK(std::fegetround() == FE_TONEAREST);
 }
 
 }  // namespace
