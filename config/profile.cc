@@ -338,6 +338,21 @@ std::uint32_t as_octal_mode(const YAML::Node& node, const Context& ctx) {
   return mode;
 }
 
+// A kernel congestion control name (TCP_CA_NAME_MAX: 15 characters), or "".
+std::string as_congestion_control(const YAML::Node& node, const Context& ctx) {
+  std::string text = as_string(node, ctx);
+  const bool ok = text.size() <= 15 && std::all_of(text.begin(), text.end(), [](char ch) {
+                    return (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') || ch == '_';
+                  });
+  if (!ok) {
+    ctx.fail(node,
+             "expected a congestion control name such as cubic (lower case, at most 15 "
+             "characters) or empty for the system default, got " +
+                 quoted(text));
+  }
+  return text;
+}
+
 std::string as_ip_address(const YAML::Node& node, const Context& ctx) {
   std::string text = as_string(node, ctx);
   unsigned char buffer[sizeof(in6_addr)];
@@ -596,9 +611,11 @@ constexpr std::array kSchema{
     Key{"tcp.chunk_bytes",
         [](N n, Profile& p, C c) { p.tcp.chunk_bytes = as_size(n, c, 4 * KiB, 64 * MiB); },
         [](E e, P p) { e << p.tcp.chunk_bytes; }, "pipelining unit"},
-    Key{"tcp.io_threads",
-        [](N n, Profile& p, C c) { p.tcp.io_threads = as_uint(n, c, 0, 64); },
+    Key{"tcp.io_threads", [](N n, Profile& p, C c) { p.tcp.io_threads = as_uint(n, c, 0, 64); },
         [](E e, P p) { e << p.tcp.io_threads; }, "socket copy threads per direction"},
+    Key{"tcp.congestion_control",
+        [](N n, Profile& p, C c) { p.tcp.congestion_control = as_congestion_control(n, c); },
+        [](E e, P p) { e << p.tcp.congestion_control; }, "congestion control of the peer streams"},
     Key{"collectives.algorithm",
         [](N n, Profile& p, C c) {
           p.collectives.algorithm =
@@ -661,15 +678,16 @@ constexpr std::array kSchema{
           p.gpu.client_kernels = as_enum<std::string_view>(n, c, kClientKernelModes);
         },
         [](E e, P p) { e << p.gpu.client_kernels; },
-        "client libraries run one-GPU-per-rank collectives themselves: on, auto (without MPS), off"},
+        "client libraries run one-GPU-per-rank collectives themselves: on, auto (without MPS), "
+        "off"},
     Key{"gpu.client_kernel_max_bytes",
-        [](N n, Profile& p, C c) {
-          p.gpu.client_kernel_max_bytes = as_size(n, c, 256, 1 * GiB);
-        },
+        [](N n, Profile& p, C c) { p.gpu.client_kernel_max_bytes = as_size(n, c, 256, 1 * GiB); },
         [](E e, P p) { e << p.gpu.client_kernel_max_bytes; },
         "largest rank buffer the client's kernels take (scratch: 2 x ranks x this per GPU)"},
     Key{"gpu.two_step_min_gpus",
-        [](N n, Profile& p, C c) { p.gpu.two_step_min_gpus = static_cast<int>(as_uint(n, c, 2, 64)); },
+        [](N n, Profile& p, C c) {
+          p.gpu.two_step_min_gpus = static_cast<int>(as_uint(n, c, 2, 64));
+        },
         [](E e, P p) { e << p.gpu.two_step_min_gpus; },
         "all-reduce and broadcast over this many GPUs or more take two steps"},
     Key{"gpu.two_step_bytes",
@@ -681,8 +699,7 @@ constexpr std::array kSchema{
         [](N n, Profile& p, C c) { p.log.level = as_enum<LogLevel>(n, c, kLogLevels); },
         [](E e, P p) { e << std::string(to_string(p.log.level)); }, "least severe level logged"},
 
-    Key{"metrics.listen",
-        [](N n, Profile& p, C c) { p.metrics.listen = as_listen_address(n, c); },
+    Key{"metrics.listen", [](N n, Profile& p, C c) { p.metrics.listen = as_listen_address(n, c); },
         [](E e, P p) { e << p.metrics.listen; }, "Prometheus endpoint; empty = off"},
 };
 

@@ -95,6 +95,9 @@ struct TcpSection {
   /// Threads per direction that copy chunks of 64 KiB and more to and from
   /// the peer sockets; 0 = the event loop copies them.
   std::uint32_t io_threads = 0;
+  /// TCP congestion control of the peer streams (TCP_CONGESTION); empty =
+  /// the system's default (net.ipv4.tcp_congestion_control).
+  std::string congestion_control;
 };
 
 /// How collectives between nodes are done (engine/node_algorithms.h).

@@ -89,6 +89,7 @@ void check_equal(const cfg::Profile& a, const cfg::Profile& b) {
   CHECK(a.tcp.streams_per_peer == b.tcp.streams_per_peer);
   CHECK(a.tcp.chunk_bytes == b.tcp.chunk_bytes);
   CHECK(a.tcp.io_threads == b.tcp.io_threads);
+  CHECK(a.tcp.congestion_control == b.tcp.congestion_control);
   REQUIRE(a.verbs.hcas.size() == b.verbs.hcas.size());
   for (std::size_t i = 0; i < a.verbs.hcas.size(); ++i) {
     CHECK(a.verbs.hcas[i].name == b.verbs.hcas[i].name);
@@ -114,7 +115,10 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   const std::string text(cfg::default_profile_text());
   REQUIRE(!text.empty());
   const std::vector<std::string> keys = cfg::known_keys();
-  CHECK(keys.size() == 49);  // main's 37 + metrics.listen + gpu.stage_chunk_bytes + tcp.io_threads + verbs.in_place_min_bytes + gpu.copy_engine_min_bytes + gpu.client_kernels + gpu.client_kernel_max_bytes
+  CHECK(keys.size() ==
+        50);  // main's 37 + metrics.listen + gpu.stage_chunk_bytes + tcp.io_threads +
+              // verbs.in_place_min_bytes + gpu.copy_engine_min_bytes + gpu.client_kernels +
+              // gpu.client_kernel_max_bytes + tcp.congestion_control
   CHECK(keys.front() == "node.name");
   CHECK(keys.back() == "metrics.listen");
   for (const std::string& key : keys) {
@@ -158,6 +162,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   CHECK(p.tcp.streams_per_peer == 4);
   CHECK(p.tcp.chunk_bytes == 1024 * 1024);
   CHECK(p.tcp.io_threads == 4);
+  CHECK(p.tcp.congestion_control == "cubic");
   CHECK(p.collectives.algorithm == "auto");
   CHECK(p.collectives.direct_max_bytes == 64 * 1024);
   CHECK(p.collectives.pairwise_max_nodes == 4);
@@ -267,6 +272,14 @@ TEST_CASE("values are type- and range-checked") {
   }
   SUBCASE("unknown transport") {
     CHECK(text_error("transports: [tcp, ib]").key_path() == "transports[1]");
+  }
+  SUBCASE("congestion control: a kernel name or empty") {
+    const std::string what = text_error("tcp:\n  congestion_control: BBR v2\n").what();
+    CHECK(contains(what,
+                   "test.yaml:2:23: tcp.congestion_control: expected a congestion control "
+                   "name such as cubic"));
+    CHECK(contains(text_error("tcp: {congestion_control: abcdefghijklmnopq}").reason(),
+                   "at most 15 characters"));
   }
   SUBCASE("empty transports") {
     CHECK(text_error("transports: []").reason() == "needs at least one transport");
@@ -507,7 +520,7 @@ deadlines: {operation_ms: 1, connect_ms: 2, rendezvous_ms: 3, heartbeat_ms: 10,
 workers: {threads: 1024}
 memory: {host_pool_bytes: 1000, max_registered_bytes: 64TiB}
 transports: [verbs, local]
-tcp: {streams_per_peer: 64, chunk_bytes: 64MiB}
+tcp: {streams_per_peer: 64, chunk_bytes: 64MiB, congestion_control: ""}
 verbs: {hcas: [mlx5_0, "mlx5_3:2"], gid_index: 255, mtu: 256, qps_per_connection: 128,
         retry_count: 0, timeout: 31}
 log: {level: trace}
@@ -515,6 +528,7 @@ log: {level: trace}
                                                   {});
     CHECK(p.node.name == "null");
     CHECK(p.peer.secret_file.empty());
+    CHECK(p.tcp.congestion_control.empty());
     const std::string yaml = cfg::to_yaml(p);
     INFO(yaml);
     check_equal(cfg::load_profile_text("x", yaml, {}), p);

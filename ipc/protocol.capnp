@@ -304,6 +304,7 @@ struct PeerInfo {
   transport @14 :Text;           # what carries engine traffic to it: "verbs", "tcp" ("" = none yet)
   transportReason @15 :Text;     # why that one (a fallback to tcp says why verbs did not work)
   verbs @16 :VerbsPeer;          # the verbs connection, when one was made or tried
+  congestionControl @17 :Text;   # TCP congestion control of its streams (tcp.congestion_control)
 }
 
 # The verbs transport of this daemon (StatusReply.verbs).

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cctype>
 #include <csignal>
 #include <optional>
 #include <random>
@@ -76,6 +77,7 @@ TEST_CASE("two daemons: a ping opens an authenticated connection, a second one r
   CHECK(rows[0].state == wire::PeerLinkState::READY);
   CHECK(rows[0].outbound);
   CHECK(rows[0].streams == 2);
+  CHECK(rows[0].congestion_control == "cubic");  // tcp.congestion_control's default
   CHECK(rows[0].connections == 1);
   CHECK(rows[0].errors == 0);
   CHECK(rows[0].bytes_sent > 0);
@@ -89,6 +91,7 @@ TEST_CASE("two daemons: a ping opens an authenticated connection, a second one r
   CHECK(at_b->state == wire::PeerLinkState::READY);
   CHECK_FALSE(at_b->outbound);
   CHECK(at_b->connections == 1);
+  CHECK(at_b->congestion_control == "cubic");  // accepted streams too
   const Pong back = ping(*cb, a.address());
   REQUIRE_MESSAGE(back.code == Code::ok, back.error);
   CHECK(back.node == "a");
@@ -140,6 +143,34 @@ TEST_CASE("loopback ping RTT through the C API (1000 pings)") {
   CHECK(collective_peer_ping(c, "no-port-here", &out) == COLLECTIVE_INVALID_ARGUMENT);
   CHECK(contains(collective_last_error(), "bad peer address \"no-port-here\""));
   collective_disconnect(c);
+}
+
+TEST_CASE("tcp.congestion_control applies to each daemon's own streams; a refused one is logged") {
+  TempDir dir;
+  const std::string secret = write_secret(dir, "secret", "congestion control test secret 0123\n");
+  Node a{"a", "127.0.0.2", secret, {"tcp.congestion_control=reno"}};
+  Node b{"b", "127.0.0.3", secret};
+  Node c{"c", "127.0.0.4", secret, {"tcp.congestion_control=nosuchcc"}};
+  a.start();
+  b.start();
+  c.start();
+  CHECK(a.daemon->wait_for_log("congestion_control=reno", 5s));
+  auto ca = client_of(a);
+  auto cb = client_of(b);
+  auto cc = client_of(c);
+  REQUIRE(ping(*ca, b.address()).code == Code::ok);
+  CHECK(peer_row(*ca, b.address())->congestion_control == "reno");
+  CHECK(peer_row(*cb, a.address())->congestion_control == "cubic");  // b's own setting
+  // A name the kernel does not have: said once, and the system's default used.
+  CHECK(c.daemon->wait_for_log("event=peer_congestion_control wanted=nosuchcc", 5s));
+  CHECK(c.daemon->wait_for_log("congestion_control=\"system default\"", 5s));
+  REQUIRE(ping(*cc, b.address()).code == Code::ok);
+  std::string system_default = read_file("/proc/sys/net/ipv4/tcp_congestion_control");
+  while (!system_default.empty() &&
+         std::isspace(static_cast<unsigned char>(system_default.back()))) {
+    system_default.pop_back();
+  }
+  CHECK(peer_row(*cc, b.address())->congestion_control == system_default);
 }
 
 TEST_CASE("three daemons: every pair connects once, whichever side pinged first") {

@@ -47,6 +47,7 @@ DaemonStatus from_wire(wire::StatusReply::Reader s) {
     r.state = state_name(p.getState());
     r.outbound = p.getOutbound();
     r.streams = p.getStreams();
+    r.congestion_control = p.getCongestionControl();
     r.bytes_sent = p.getBytesSent();
     r.bytes_received = p.getBytesReceived();
     r.rtt_us = p.getRttUs();

@@ -26,6 +26,7 @@ struct PeerRow {
   std::string address, node, state;  ///< state: connecting, ready, dead
   bool outbound = false;
   std::uint32_t streams = 0;
+  std::string congestion_control;
   std::uint64_t bytes_sent = 0, bytes_received = 0, rtt_us = 0;
   double skew_ms = 0;
   std::uint64_t errors = 0;

@@ -150,6 +150,7 @@ void json_peers(Json& j, const DaemonStatus& s) {
         .field("state", p.state)
         .field("outbound", p.outbound)
         .field("streams", p.streams)
+        .field("congestion_control", p.congestion_control)
         .field("transport", p.transport)
         .field("transport_reason", p.transport_reason)
         .field("verbs_healthy", p.verbs_healthy)
@@ -208,6 +209,7 @@ std::string transport_text(const PeerRow& p) {
            (p.verbs_pairs > 1 ? " " + std::to_string(p.verbs_pairs) + " pairs" : "");
   }
   std::string t = "tcp x" + std::to_string(p.streams);
+  if (!p.congestion_control.empty()) t += " " + p.congestion_control;
   if (p.transport_reason.rfind("fell back", 0) == 0) t += " (fallback)";
   return t;
 }

@@ -247,6 +247,7 @@ struct PeerRow {
   wire::PeerLinkState state = wire::PeerLinkState::DEAD;
   bool outbound = false;
   std::uint32_t streams = 0;
+  std::string congestion_control;
   std::uint64_t bytes_sent = 0;
   std::uint64_t bytes_received = 0;
   std::uint64_t rtt_us = 0;
@@ -270,6 +271,7 @@ inline std::vector<PeerRow> peers_of(RawClient& c, std::string* own_address = nu
     r.state = p.getState();
     r.outbound = p.getOutbound();
     r.streams = p.getStreams();
+    r.congestion_control = p.getCongestionControl().cStr();
     r.bytes_sent = p.getBytesSent();
     r.bytes_received = p.getBytesReceived();
     r.rtt_us = p.getRttUs();

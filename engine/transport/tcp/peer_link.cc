@@ -1,11 +1,13 @@
 #include "engine/transport/tcp/peer_link.h"
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
 #include <boost/asio/connect.hpp>
-#include <boost/asio/read.hpp>
 #include <boost/asio/ip/address.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/read.hpp>
 #include <boost/asio/write.hpp>
-#include <sys/socket.h>
 
 #include <algorithm>
 #include <cctype>
@@ -114,6 +116,26 @@ PeerAddress parse_peer_address(const std::string& text) {
 }
 
 // --- PeerStream ------------------------------------------------------------------
+
+std::string tune_peer_socket(tcp::socket& socket, const std::string& congestion) {
+  boost::system::error_code ignored;
+  socket.set_option(tcp::no_delay(true), ignored);
+  if (congestion.empty()) return {};
+  // Per socket, so that the system's default (which may pace: bbr) does not
+  // apply to the peer links; see tcp.congestion_control in the profile.
+  if (::setsockopt(socket.native_handle(), IPPROTO_TCP, TCP_CONGESTION, congestion.data(),
+                   static_cast<socklen_t>(congestion.size())) != 0) {
+    return std::strerror(errno);
+  }
+  return {};
+}
+
+std::string congestion_control_of(int fd) {
+  char name[16] = {};
+  socklen_t len = sizeof name;
+  if (::getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, &len) != 0) return {};
+  return std::string(name, strnlen(name, std::min<std::size_t>(len, sizeof name)));
+}
 
 PeerStream::PeerStream(tcp::socket socket, std::uint64_t max_frame_bytes)
     : socket_(std::move(socket)),
@@ -582,8 +604,9 @@ void PeerLink::open_stream(std::uint32_t index, const tcp::endpoint& endpoint) {
 }
 
 void PeerLink::start_stream(std::uint32_t index, tcp::socket socket) {
-  boost::system::error_code ignored;
-  socket.set_option(tcp::no_delay(true), ignored);
+  // The manager checked the congestion control once (PeerManager's
+  // constructor) and cleared it where the kernel refuses it.
+  (void)tune_peer_socket(socket, options_.congestion_control);
   auto stream = std::make_shared<PeerStream>(std::move(socket), max_frame());
   stream->set_bulk(options_.bulk);
   stream->index = index;

@@ -43,11 +43,20 @@ struct PeerOptions {
   /// tcp.io_threads: threads per direction that copy large chunks to and
   /// from the sockets (0: the event loop does it).
   std::uint32_t io_threads = 0;
+  /// tcp.congestion_control: set on every stream; empty = the system's.
+  std::string congestion_control;
   /// The threads (the PeerManager owns them; set when io_threads > 0).
   BulkIo* bulk = nullptr;
   std::chrono::milliseconds connect_deadline{5000};
   std::chrono::milliseconds heartbeat_interval{1000};
 };
+
+/// Options of every peer socket: TCP_NODELAY (small messages, heartbeats and
+/// readies go out at once) and the congestion control `congestion` (empty:
+/// the system's). Returns why the congestion control was refused, or "".
+std::string tune_peer_socket(boost::asio::ip::tcp::socket& socket, const std::string& congestion);
+/// The congestion control of a socket ("" if it cannot be read).
+std::string congestion_control_of(int fd);
 
 enum class PeerState { connecting, ready, dead };
 std::string_view to_string(PeerState state);
@@ -152,6 +161,8 @@ class PeerStream : public std::enable_shared_from_this<PeerStream> {
   PeerClock::time_point last_answer() const { return last_answer_; }
   void answered() { last_answer_ = PeerClock::now(); }
   std::size_t queued_chunks() const { return data_.size(); }
+  /// The stream's TCP congestion control, as the kernel reports it.
+  std::string congestion_control() { return congestion_control_of(socket_.native_handle()); }
 
  private:
   void read_next();
@@ -265,6 +276,13 @@ class PeerLink : public std::enable_shared_from_this<PeerLink>, public StreamSin
   std::string describe() const;
   std::uint64_t connection_id() const { return connection_id_; }
   std::uint32_t streams() const { return static_cast<std::uint32_t>(streams_.size()); }
+  /// The congestion control of its streams, read back from the kernel.
+  std::string congestion_control() const {
+    for (const auto& s : streams_) {
+      if (s && !s->closed()) return s->congestion_control();
+    }
+    return {};
+  }
   std::uint64_t bytes_sent() const;
   std::uint64_t bytes_received() const;
   bool have_rtt() const { return have_rtt_; }

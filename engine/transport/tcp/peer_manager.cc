@@ -116,6 +116,7 @@ PeerOptions peer_options(const config::Profile& profile, const std::string& daem
   // 1 MiB 0.61 -> 0.49 GB/s busbw with 4 threads). At most (cores - 2) / 2.
   const unsigned cores = std::thread::hardware_concurrency();
   o.io_threads = std::min<std::uint32_t>(profile.tcp.io_threads, cores >= 4 ? (cores - 2) / 2 : 0);
+  o.congestion_control = profile.tcp.congestion_control;
   o.connect_deadline = profile.deadlines.connect;
   o.heartbeat_interval = profile.deadlines.heartbeat;
   return o;
@@ -126,6 +127,27 @@ PeerManager::PeerManager(asio::io_context& io, PeerOptions options, engine::Logg
   if (options_.io_threads > 0) {
     bulk_ = std::make_unique<BulkIo>(options_.io_threads);
     options_.bulk = bulk_.get();
+  }
+  if (!options_.congestion_control.empty()) {
+    // Tried once on a socket of our own: a name the kernel does not have, or
+    // one an unprivileged daemon may not use, is said here, and the streams
+    // keep the system's default instead of failing one by one.
+    tcp::socket probe(io_);
+    boost::system::error_code ec;
+    probe.open(tcp::v4(), ec);
+    const std::string refused =
+        ec ? ec.message() : tune_peer_socket(probe, options_.congestion_control);
+    if (!refused.empty()) {
+      log_.warn("peer_congestion_control",
+                {{"wanted", options_.congestion_control},
+                 {"error", refused},
+                 {"using", "the system's default"},
+                 {"action", "load the module (modprobe tcp_" + options_.congestion_control +
+                                ") and, for a daemon without CAP_NET_ADMIN, add it to sysctl "
+                                "net.ipv4.tcp_allowed_congestion_control; or set "
+                                "tcp.congestion_control to \"\" for the system's default"}});
+      options_.congestion_control.clear();
+    }
   }
   if (options_.local.protocol_version != peerwire::PEER_PROTOCOL_VERSION) {
     log_.warn("test_hook", {{"COLLECTIVED_TEST_PEER_VERSION", options_.local.protocol_version},
@@ -198,6 +220,9 @@ void PeerManager::listen() {
   log_.info("peer_listening", {{"address", where},
                                {"streams_per_peer", options_.streams_per_peer},
                                {"io_threads", options_.io_threads},
+                               {"congestion_control", options_.congestion_control.empty()
+                                                          ? std::string("system default")
+                                                          : options_.congestion_control},
                                {"chunk_bytes", options_.chunk_bytes},
                                {"heartbeat_ms", options_.heartbeat_interval.count()},
                                {"connect_ms", options_.connect_deadline.count()},
@@ -229,7 +254,7 @@ void PeerManager::on_accept(tcp::socket socket) {
                                {"reason", "64 peer handshakes are already in progress"}});
     return;  // closing the socket refuses it
   }
-  socket.set_option(tcp::no_delay(true), ec);
+  (void)tune_peer_socket(socket, options_.congestion_control);
   auto stream = std::make_shared<PeerStream>(std::move(socket), kHandshakeMaxFrame);
   stream->set_bulk(options_.bulk);
   PeerIdentity me = options_.local;
@@ -508,6 +533,7 @@ std::vector<PeerStatus> PeerManager::status() const {
       st.state = PeerState::ready;
       st.outbound = in_use->outbound();
       st.streams = in_use->streams();
+      st.congestion_control = in_use->congestion_control();
       st.connected_since = in_use->ready_since();
       if (in_use->have_rtt()) {
         st.rtt_us = in_use->rtt_us();
@@ -559,6 +585,7 @@ void fill_peer_status(const PeerManager& peers, wire::StatusReply::Builder statu
                                                   : wire::PeerLinkState::DEAD);
     o.setOutbound(p.outbound);
     o.setStreams(p.streams);
+    o.setCongestionControl(p.congestion_control.c_str());
     o.setBytesSent(p.bytes_sent);
     o.setBytesReceived(p.bytes_received);
     o.setRttUs(p.rtt_us);

@@ -51,6 +51,7 @@ struct PeerStatus {
   PeerState state = PeerState::dead;
   bool outbound = false;   ///< this daemon opened the connection in use
   std::uint32_t streams = 0;
+  std::string congestion_control;    ///< of the connection in use, as the kernel says
   std::uint64_t bytes_sent = 0;      ///< all connections to the peer since start
   std::uint64_t bytes_received = 0;
   std::uint64_t rtt_us = 0;          ///< last heartbeat round trip (0: none yet)
