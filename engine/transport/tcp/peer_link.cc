@@ -117,13 +117,11 @@ PeerAddress parse_peer_address(const std::string& text) {
 
 // --- PeerStream ------------------------------------------------------------------
 
-std::string tune_peer_socket(tcp::socket& socket, const std::string& congestion) {
-  boost::system::error_code ignored;
-  socket.set_option(tcp::no_delay(true), ignored);
+std::string set_congestion_control(int fd, const std::string& congestion) {
   if (congestion.empty()) return {};
   // Per socket, so that the system's default (which may pace: bbr) does not
   // apply to the peer links; see tcp.congestion_control in the profile.
-  if (::setsockopt(socket.native_handle(), IPPROTO_TCP, TCP_CONGESTION, congestion.data(),
+  if (::setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, congestion.data(),
                    static_cast<socklen_t>(congestion.size())) != 0) {
     return std::strerror(errno);
   }
@@ -566,6 +564,9 @@ void PeerLink::open_stream(std::uint32_t index, const tcp::endpoint& endpoint) {
   auto socket = std::make_shared<tcp::socket>(io_);
   boost::system::error_code ec;
   socket->open(endpoint.protocol(), ec);
+  // Before connect (see set_congestion_control); the manager checked the
+  // name once and cleared it where the kernel refuses it.
+  if (!ec) (void)set_congestion_control(socket->native_handle(), options_.congestion_control);
   // Leave from the address this daemon listens on (the node's data-network
   // address), unless it listens everywhere or the route could not use it.
   boost::system::error_code bec;
@@ -604,9 +605,8 @@ void PeerLink::open_stream(std::uint32_t index, const tcp::endpoint& endpoint) {
 }
 
 void PeerLink::start_stream(std::uint32_t index, tcp::socket socket) {
-  // The manager checked the congestion control once (PeerManager's
-  // constructor) and cleared it where the kernel refuses it.
-  (void)tune_peer_socket(socket, options_.congestion_control);
+  boost::system::error_code ignored;
+  socket.set_option(tcp::no_delay(true), ignored);
   auto stream = std::make_shared<PeerStream>(std::move(socket), max_frame());
   stream->set_bulk(options_.bulk);
   stream->index = index;

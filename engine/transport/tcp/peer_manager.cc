@@ -136,7 +136,8 @@ PeerManager::PeerManager(asio::io_context& io, PeerOptions options, engine::Logg
     boost::system::error_code ec;
     probe.open(tcp::v4(), ec);
     const std::string refused =
-        ec ? ec.message() : tune_peer_socket(probe, options_.congestion_control);
+        ec ? ec.message()
+           : set_congestion_control(probe.native_handle(), options_.congestion_control);
     if (!refused.empty()) {
       log_.warn("peer_congestion_control",
                 {{"wanted", options_.congestion_control},
@@ -197,6 +198,8 @@ void PeerManager::listen() {
   const std::string where = endpoint_text(endpoint);
   acceptor_.open(endpoint.protocol(), ec);
   if (!ec) acceptor_.set_option(asio::socket_base::reuse_address(true), ec);
+  // Accepted streams inherit the listener's congestion control.
+  if (!ec) (void)set_congestion_control(acceptor_.native_handle(), options_.congestion_control);
   if (!ec) acceptor_.bind(endpoint, ec);
   if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
   if (ec) {
@@ -254,7 +257,7 @@ void PeerManager::on_accept(tcp::socket socket) {
                                {"reason", "64 peer handshakes are already in progress"}});
     return;  // closing the socket refuses it
   }
-  (void)tune_peer_socket(socket, options_.congestion_control);
+  socket.set_option(tcp::no_delay(true), ec);  // the congestion control: from the listener
   auto stream = std::make_shared<PeerStream>(std::move(socket), kHandshakeMaxFrame);
   stream->set_bulk(options_.bulk);
   PeerIdentity me = options_.local;
