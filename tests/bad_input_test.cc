@@ -16,6 +16,7 @@
 #include "ipc/frame.h"
 #include "ipc/ring.h"
 
+#include "tests/support/collective_check.h"
 #include "tests/support/harness.h"
 
 using namespace collectived;
@@ -442,25 +443,7 @@ TEST_CASE("the daemon wakes a client asleep on its ring only for the completion 
   TestRing ring;
   REQUIRE(ring.attach(c, 2, ring.bell.get()));
   // A communicator of one rank (by the socket), then barriers by the ring.
-  collective_client_t* tmp = nullptr;
-  REQUIRE(collective_connect(d.socket().c_str(), "id maker", &tmp) == COLLECTIVE_OK);
-  collective_unique_id_t uid;
-  REQUIRE(collective_get_unique_id(tmp, &uid) == COLLECTIVE_OK);
-  collective_disconnect(tmp);
-  capnp::MallocMessageBuilder init;
-  auto m = init.initRoot<wire::Message>();
-  m.setId(3);
-  auto ci = m.initCommInit();
-  std::uint8_t secret[16] = {7};
-  ci.setSecret(capnp::Data::Reader(secret, 16));
-  ci.setRendezvous(uid.internal + 24);
-  ci.setNranks(1);
-  ci.setRank(0);
-  c.send(init);
-  auto ready = c.receive(5s);
-  REQUIRE(ready);
-  REQUIRE(ready->message().isCommReady());
-  const auto comm = ready->message().getCommReady().getComm();
+  const auto comm = raw_comm_of_one(c, d.socket(), 3);
   auto barrier = [&](std::uint64_t id) {
     capnp::MallocMessageBuilder b;
     auto bm = b.initRoot<wire::Message>();

@@ -425,25 +425,7 @@ TEST_CASE("buffers outside registrations are refused, in the client and in the d
   // The daemon's own check, with a client that lies about offsets.
   RawClient raw(d.socket());
   REQUIRE(raw.hello());
-  capnp::MallocMessageBuilder init;
-  auto m = init.initRoot<wire::Message>();
-  m.setId(2);
-  auto ci = m.initCommInit();
-  std::uint8_t secret[16] = {1, 2, 3};
-  ci.setSecret(capnp::Data::Reader(secret, 16));
-  collective_client_t* tmp = nullptr;
-  REQUIRE(collective_connect(d.socket().c_str(), "addr", &tmp) == COLLECTIVE_OK);
-  collective_unique_id_t uid;
-  collective_get_unique_id(tmp, &uid);
-  collective_disconnect(tmp);
-  ci.setRendezvous(uid.internal + 24);
-  ci.setNranks(1);
-  ci.setRank(0);
-  raw.send(init);
-  auto ready = raw.receive(5s);
-  REQUIRE(ready);
-  REQUIRE(ready->message().isCommReady());
-  const auto comm = ready->message().getCommReady().getComm();
+  const auto comm = raw_comm_of_one(raw, d.socket(), 2);
   UniqueFd mem = sealed_memfd(4096);
   auto regd = raw.register_host(3, 4096, {mem.get()});
   REQUIRE(regd);

@@ -159,6 +159,24 @@ collective_unique_id_t new_id(const std::string& socket) {
   return id;
 }
 
+std::uint64_t raw_comm_of_one(RawClient& raw, const std::string& socket, std::uint64_t id) {
+  const collective_unique_id_t uid = new_id(socket);
+  capnp::MallocMessageBuilder init;
+  auto m = init.initRoot<wire::Message>();
+  m.setId(id);
+  auto ci = m.initCommInit();
+  std::uint8_t secret[16] = {1, 2, 3};
+  ci.setSecret(capnp::Data::Reader(secret, 16));
+  ci.setRendezvous(uid.internal + 24);  // the rendezvous address inside the id
+  ci.setNranks(1);
+  ci.setRank(0);
+  raw.send(init);
+  auto ready = raw.receive(std::chrono::seconds(5));
+  REQUIRE(ready);
+  REQUIRE(ready->message().isCommReady());
+  return ready->message().getCommReady().getComm();
+}
+
 /// Runs `body(rank)` in `n` child processes; checks every one exits 0.
 void run_ranks(int n, const std::function<int(int)>& body, std::chrono::milliseconds timeout) {
   std::vector<std::unique_ptr<Child>> kids;

@@ -50,6 +50,10 @@ RankCtx join(const std::string& socket, const collective_unique_id_t& id, int n,
              std::size_t bytes);
 /// A fresh unique id from the daemon at `socket` (it runs the rendezvous).
 collective_unique_id_t new_id(const std::string& socket);
+class RawClient;
+/// A communicator of one rank made by `raw` (CommInit, request `id`) on the
+/// daemon at `socket`; returns its handle.
+std::uint64_t raw_comm_of_one(RawClient& raw, const std::string& socket, std::uint64_t id);
 /// Runs `body(rank)` in `n` child processes; checks every one exits 0.
 void run_ranks(int n, const std::function<int(int)>& body,
                std::chrono::milliseconds timeout = std::chrono::seconds(120));
