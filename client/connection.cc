@@ -326,8 +326,12 @@ void Connection::wait_ring(Clock::time_point deadline, std::uint64_t id) {
   }
   for (;;) {
     // Woken for this id's completion only, while no other thread waits; the
-    // others' completions stay in the ring until this one comes.
-    h.wake_id.store(waiters_.load() > 1 ? 0 : id, std::memory_order_seq_cst);
+    // others' completions stay in the ring until this one comes. Stored
+    // first, then the waiters counted: a thread that starts waiting in
+    // between stores 0 after it counted itself (wait_reply), so the last
+    // store is 0 either way.
+    h.wake_id.store(id, std::memory_order_seq_cst);
+    if (waiters_.load(std::memory_order_seq_cst) > 1) h.wake_id.store(0, std::memory_order_seq_cst);
     h.client_sleeping.store(1, std::memory_order_seq_cst);
     if (ready()) {
       h.client_sleeping.store(0);
