@@ -108,6 +108,7 @@ TEST_CASE("a thread asleep on the completion ring for its operation does not hol
     collective_request_t* r = nullptr;
     if (collective_barrier(a0, &r) != COLLECTIVE_OK) return;
     a_result = collective_wait(r, 30000);
+    collective_request_free(r);
   });
   std::this_thread::sleep_for(200ms);  // A is the ring's reader, asleep
   Clock::duration late{};
@@ -119,9 +120,13 @@ TEST_CASE("a thread asleep on the completion ring for its operation does not hol
       std::this_thread::sleep_for(2ms);  // this thread waits first
       collective_request_t* q = nullptr;
       sent = Clock::now();
-      if (collective_barrier(b1, &q) == COLLECTIVE_OK) collective_wait(q, 10000);
+      if (collective_barrier(b1, &q) == COLLECTIVE_OK) {
+        collective_wait(q, 10000);
+        collective_request_free(q);
+      }
     });
     CHECK(collective_wait(r, 10000) == COLLECTIVE_OK);
+    collective_request_free(r);
     const auto done = Clock::now();
     partner.join();
     late += done - sent;
@@ -133,6 +138,7 @@ TEST_CASE("a thread asleep on the completion ring for its operation does not hol
   collective_request_t* q = nullptr;
   REQUIRE(collective_barrier(a1, &q) == COLLECTIVE_OK);
   CHECK(collective_wait(q, 10000) == COLLECTIVE_OK);
+  collective_request_free(q);
   a.join();
   CHECK(a_result == COLLECTIVE_OK);
   for (auto* c : {a0, a1, b0, b1}) collective_comm_destroy(c);
