@@ -204,11 +204,14 @@ std::unique_ptr<ipc::IncomingFrame> Connection::call(capnp::MessageBuilder& requ
 std::unique_ptr<ipc::IncomingFrame> Connection::wait_reply(std::uint64_t id,
                                                            Clock::time_point deadline) {
   std::unique_lock lock(state_mutex_);
+  // Counted in waiters_ while here.
   struct Waiting {
-    std::atomic<int>& n;
+    explicit Waiting(std::atomic<int>& w) : n(w), others(w.fetch_add(1)) {}
     ~Waiting() { n.fetch_sub(1); }
-  } waiting{waiters_};
-  if (waiters_.fetch_add(1) > 0 && ring_ok_) {
+    std::atomic<int>& n;
+    int others;
+  } waiting(waiters_);
+  if (waiting.others > 0 && ring_ok_) {
     // A reader may sleep waiting for its own id only: from now on any
     // completion wakes it. A completion published before this store did not
     // wake it, and the drain below (after the fence) finds it.

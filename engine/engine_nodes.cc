@@ -496,8 +496,8 @@ class EngineChannel final : public NodeChannel {
       }
       if (Clock::now() >= deadline_) {
         throw Error(Code::timeout, "timed out after " + std::to_string(budget_.count()) +
-                                       " ms (deadlines.operation_ms) waiting for " + input_of(rank) +
-                                       " to reach host memory");
+                                       " ms (deadlines.operation_ms) waiting for " +
+                                       input_of(rank) + " to reach host memory");
       }
       // Until the completion thread sees the next piece in (InPieces::on_change).
       Executor::wait(*comm_->exec);

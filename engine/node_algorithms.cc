@@ -315,7 +315,9 @@ class Algorithms {
       std::deque<PendingPass> others;
       for (std::uint64_t a = from + step; a < to; a += step) {
         const std::uint64_t b = std::min(to, a + step);
-        others.emplace_back(ch_, ch_.compute_async([reduce_part, in, from, a, b] { reduce_part(*in, from, a, b); }));
+        others.emplace_back(ch_, ch_.compute_async([reduce_part, in, from, a, b] {
+          reduce_part(*in, from, a, b);
+        }));
       }
       reduce_part(*in, from, from, std::min(to, from + step));
       for (auto& o : others) o.wait();
@@ -345,7 +347,8 @@ class Algorithms {
     // reduce-scatter 1 MiB), while the exchange waited.
     const int window = chunks(total) > 1 ? ch_.parallelism() : 1;
     struct Running {
-      Running(NodeChannel& ch, NodeChannel::Ticket t, std::uint64_t chunk, std::uint64_t a, std::uint64_t b)
+      Running(NodeChannel& ch, NodeChannel::Ticket t, std::uint64_t chunk, std::uint64_t a,
+              std::uint64_t b)
           : pass(ch, std::move(t)), c(chunk), from(a), to(b) {}
       PendingPass pass;
       std::uint64_t c, from, to;
@@ -377,7 +380,9 @@ class Algorithms {
         gather(c, from, to);
         continue;
       }
-      running.emplace_back(ch_, ch_.compute_async([reduce_chunk, in, from, to]() mutable { reduce_chunk(*in, from, to); }),
+      running.emplace_back(ch_, ch_.compute_async([reduce_chunk, in, from, to]() mutable {
+        reduce_chunk(*in, from, to);
+      }),
                            c, from, to);
       while (static_cast<int>(running.size()) >= window) finish_oldest();
     }

@@ -857,11 +857,13 @@ class CudaExecutor final : public GpuExecutor {
       const bool waits_only = op.kind == OpKind::broadcast && in_bytes == 0 && op.count != 0;
       if (uniform && (in_bytes != 0 || waits_only)) {
         piece = op.in_piece_bytes;
-        pieces = std::max<std::uint32_t>(1, static_cast<std::uint32_t>((in_bytes + piece - 1) / piece));
+        pieces =
+            std::max<std::uint32_t>(1, static_cast<std::uint32_t>((in_bytes + piece - 1) / piece));
         st->in = std::make_shared<InPieces>();
         st->in->piece = piece;
         st->in->count = pieces;
-        st->in->first = static_cast<std::uint32_t>(std::min<std::uint64_t>(op.in_first_byte / piece, pieces - 1));
+        st->in->first = static_cast<std::uint32_t>(
+            std::min<std::uint64_t>(op.in_first_byte / piece, pieces - 1));
         // Piece 0 of every rank is `p`: it tells st->in too (with its
         // deadline's error, naming the ranks whose input never came).
         p.done = [in = st->in, ready = std::move(p.done)](Code code, std::string why) {

@@ -115,7 +115,7 @@ PeerAddress parse_peer_address(const std::string& text) {
   return out;
 }
 
-// --- PeerStream ------------------------------------------------------------------
+// --- Socket options -------------------------------------------------------------
 
 std::string set_congestion_control(int fd, const std::string& congestion) {
   if (congestion.empty()) return {};
@@ -134,6 +134,8 @@ std::string congestion_control_of(int fd) {
   if (::getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, &len) != 0) return {};
   return std::string(name, strnlen(name, std::min<std::size_t>(len, sizeof name)));
 }
+
+// --- PeerStream ------------------------------------------------------------------
 
 PeerStream::PeerStream(tcp::socket socket, std::uint64_t max_frame_bytes)
     : socket_(std::move(socket)),
