@@ -221,6 +221,9 @@ struct Executor {
   std::atomic<bool> wake_posted{false};
   // Node thread only:
   std::unique_ptr<Fiber> fiber;  // running the jobs
+  /// The stack of the last fiber, for the next one: a fiber lasts while jobs
+  /// are queued, so one operation at a time would map a stack each.
+  FiberStack spare_stack;
   bool waiting = false;          // the fiber yielded in wait()
   Clock::time_point resumed_at;  // when the fiber last got the thread
   /// Scratch memory of the operations (NodeChannel::scratch).

@@ -637,7 +637,7 @@ void Executor::drive(const std::shared_ptr<Executor>& ex) {
         }
         job();
       }
-    });
+    }, std::move(ex->spare_stack));
   }
   ex->waiting = false;
   ex->resumed_at = Clock::now();
@@ -651,7 +651,10 @@ void Executor::drive(const std::shared_ptr<Executor>& ex) {
     std::fprintf(stderr, "level=error event=node_job_threw comm=%s error=\"%s\"\n",
                  ex->comm.c_str(), e.what());
   }
-  if (finished) ex->fiber.reset();
+  if (finished) {
+    ex->spare_stack = ex->fiber->take_stack();
+    ex->fiber.reset();
+  }
 }
 
 void Executor::take_turns(const std::shared_ptr<Executor>& ex) {

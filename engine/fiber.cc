@@ -28,6 +28,7 @@
 #endif
 #endif
 #ifdef COLLECTIVED_ASAN_FIBERS
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
 #ifdef COLLECTIVED_TSAN_FIBERS
@@ -39,30 +40,58 @@ namespace {
 thread_local Fiber* t_current = nullptr;
 }
 
-Fiber::Fiber(std::function<void()> body, std::size_t stack_bytes) : body_(std::move(body)) {
+FiberStack::FiberStack(std::size_t bytes) {
   const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
-  stack_bytes_ = (stack_bytes + page - 1) / page * page;
-  mapped_ = stack_bytes_ + page;
-  // Pages are committed as the stack grows into them; the lowest page stays
-  // inaccessible, so an overflow faults instead of corrupting the heap.
-  stack_ = ::mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                  -1, 0);
-  if (stack_ == MAP_FAILED) {
-    stack_ = nullptr;
-    throw_errno("mmap of a " + std::to_string(mapped_) + "-byte fiber stack");
-  }
-  if (::mprotect(stack_, page, PROT_NONE) != 0) {
+  bytes_ = (bytes + page - 1) / page * page;
+  mapped_ = bytes_ + page;
+  void* m = ::mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+  if (m == MAP_FAILED) throw_errno("mmap of a " + std::to_string(mapped_) + "-byte fiber stack");
+  if (::mprotect(m, page, PROT_NONE) != 0) {
     const int e = errno;
-    ::munmap(stack_, mapped_);
+    ::munmap(m, mapped_);
     errno = e;
     throw_errno("mprotect of a fiber stack's guard page");
   }
-  if (::getcontext(&context_) != 0) {
-    ::munmap(stack_, mapped_);
-    throw_errno("getcontext");
+  mapping_ = m;
+}
+
+FiberStack::~FiberStack() {
+  if (mapping_ != nullptr) ::munmap(mapping_, mapped_);
+}
+
+FiberStack::FiberStack(FiberStack&& o) noexcept
+    : mapping_(std::exchange(o.mapping_, nullptr)),
+      mapped_(std::exchange(o.mapped_, 0)),
+      bytes_(std::exchange(o.bytes_, 0)) {}
+
+FiberStack& FiberStack::operator=(FiberStack&& o) noexcept {
+  if (this != &o) {
+    if (mapping_ != nullptr) ::munmap(mapping_, mapped_);
+    mapping_ = std::exchange(o.mapping_, nullptr);
+    mapped_ = std::exchange(o.mapped_, 0);
+    bytes_ = std::exchange(o.bytes_, 0);
   }
-  context_.uc_stack.ss_sp = static_cast<char*>(stack_) + page;
-  context_.uc_stack.ss_size = stack_bytes_;
+  return *this;
+}
+
+void* FiberStack::base() const {
+  return mapping_ == nullptr ? nullptr : static_cast<char*>(mapping_) + (mapped_ - bytes_);
+}
+
+Fiber::Fiber(std::function<void()> body, std::size_t stack_bytes)
+    : Fiber(std::move(body), FiberStack(stack_bytes)) {}
+
+Fiber::Fiber(std::function<void()> body, FiberStack stack)
+    : body_(std::move(body)), stack_(stack ? std::move(stack) : FiberStack(kDefaultStackBytes)) {
+#ifdef COLLECTIVED_ASAN_FIBERS
+  // A reused stack still carries the poisoned redzones of the frames that the
+  // previous fiber left without returning (its trampoline's): clear them.
+  __asan_unpoison_memory_region(stack_.base(), stack_.size());
+#endif
+  if (::getcontext(&context_) != 0) throw_errno("getcontext");
+  context_.uc_stack.ss_sp = stack_.base();
+  context_.uc_stack.ss_size = stack_.size();
   context_.uc_link = nullptr;  // the body never returns through uc_link: see trampoline
   const auto self = reinterpret_cast<std::uintptr_t>(this);
   ::makecontext(&context_, reinterpret_cast<void (*)()>(&Fiber::trampoline), 2,
@@ -76,7 +105,14 @@ Fiber::~Fiber() {
 #ifdef COLLECTIVED_TSAN_FIBERS
   if (tsan_fiber_ != nullptr) __tsan_destroy_fiber(tsan_fiber_);
 #endif
-  if (stack_ != nullptr) ::munmap(stack_, mapped_);
+}
+
+FiberStack Fiber::take_stack() {
+  if (started_ && !finished_) {
+    throw Error(Code::internal, "a fiber's stack was taken while the fiber was suspended on it");
+  }
+  finished_ = true;
+  return std::move(stack_);
 }
 
 Fiber* Fiber::current() { return t_current; }
@@ -117,7 +153,7 @@ void Fiber::switch_in() {
 #endif
 #ifdef COLLECTIVED_ASAN_FIBERS
   void* fake = nullptr;
-  __sanitizer_start_switch_fiber(&fake, static_cast<char*>(context_.uc_stack.ss_sp), stack_bytes_);
+  __sanitizer_start_switch_fiber(&fake, static_cast<char*>(context_.uc_stack.ss_sp), stack_.size());
 #endif
   ::swapcontext(&caller_, &context_);
 #ifdef COLLECTIVED_ASAN_FIBERS

@@ -16,12 +16,46 @@
 
 namespace collectived::engine {
 
-/// Owns a stack (mmap'ed, with a guard page below it) and a context. Not
-/// thread-safe: one thread at a time resumes it. Move-free and copy-free.
+/// A fiber's stack: an anonymous mapping with an inaccessible guard page
+/// below it, so that an overflow faults instead of corrupting the heap. Pages
+/// are committed as the stack grows into them. Movable, not copyable; empty
+/// when default-constructed or moved from.
+class FiberStack {
+ public:
+  FiberStack() = default;
+  /// Maps `bytes` (rounded up to whole pages) plus the guard page.
+  explicit FiberStack(std::size_t bytes);
+  ~FiberStack();
+  FiberStack(FiberStack&& o) noexcept;
+  FiberStack& operator=(FiberStack&& o) noexcept;
+  FiberStack(const FiberStack&) = delete;
+  FiberStack& operator=(const FiberStack&) = delete;
+
+  /// The usable stack, above the guard page.
+  void* base() const;
+  std::size_t size() const { return bytes_; }
+  explicit operator bool() const { return mapping_ != nullptr; }
+
+ private:
+  void* mapping_ = nullptr;  // guard page included
+  std::size_t mapped_ = 0;
+  std::size_t bytes_ = 0;
+};
+
+/// Owns a stack (FiberStack) and a context. Not thread-safe: one thread at a
+/// time resumes it. Move-free and copy-free.
 class Fiber {
  public:
+  static constexpr std::size_t kDefaultStackBytes = std::size_t{512} << 10;
   /// Prepares `body` to run on a stack of `stack_bytes`; nothing runs yet.
-  explicit Fiber(std::function<void()> body, std::size_t stack_bytes = std::size_t{512} << 10);
+  explicit Fiber(std::function<void()> body, std::size_t stack_bytes = kDefaultStackBytes);
+  /// The same on a stack that another fiber has finished with (take_stack),
+  /// or on a fresh one of the default size where `stack` is empty. A reused
+  /// stack's pages are already committed: a new mapping costs an mmap, an
+  /// mprotect, a page fault per page the body touches and, at the end, an
+  /// munmap that interrupts every other thread of the process to flush its
+  /// TLB.
+  Fiber(std::function<void()> body, FiberStack stack);
   /// A fiber must be finished (or never started) when destroyed: a suspended
   /// one would leave the objects on its stack undestroyed.
   ~Fiber();
@@ -34,6 +68,9 @@ class Fiber {
   /// From inside the fiber: returns to the resume() that ran it.
   void yield();
   bool finished() const { return finished_; }
+  /// The stack, for another fiber, from a fiber that has finished or never
+  /// started; this one cannot run afterwards (resume() returns true).
+  FiberStack take_stack();
   bool started() const { return started_; }
 
   /// The fiber running on this thread, or null.
@@ -45,9 +82,7 @@ class Fiber {
   void switch_out(bool finishing);
 
   std::function<void()> body_;
-  void* stack_ = nullptr;          // the mapping, guard page included
-  std::size_t mapped_ = 0;
-  std::size_t stack_bytes_ = 0;
+  FiberStack stack_;
   ucontext_t context_{};
   ucontext_t caller_{};
   Fiber* outer_ = nullptr;         // the fiber that resumed this one, if any
