@@ -11,7 +11,9 @@
 //     data in one step;
 //   - ring reduce-scatter + ring all-gather (more nodes; the same bytes in
 //     N-1 steps, each to one neighbour), pipelined in chunks so that the
-//     reduction of one chunk overlaps the transfer of the next;
+//     reduction of one chunk overlaps the transfer of the next; an
+//     all-gather over 3 or more nodes takes the ring from 8 MiB of output
+//     per node, in chunks 8x tcp.chunk_bytes (node_algorithms.cc says why);
 //   - direct exchange (latency: one round, every node sends its whole
 //     contribution to every other node and reduces them in node order);
 //   - chains for broadcast and reduce (pipelined in chunks, each link carries
@@ -178,8 +180,9 @@ struct NodeAlgorithmOptions {
 /// total, so they agree on every chunk's tag and size.
 std::uint64_t transfer_chunk(std::uint64_t total, std::uint64_t chunk);
 
-/// Which algorithm an operation of `bytes` per rank uses between `nodes` nodes
-/// ("ring", "direct", "chain", "exchange", "none"); for logs, status and tests.
+/// Which algorithm an operation of `bytes` per rank (for all-gather: of the
+/// whole output) uses between `nodes` nodes ("pairwise", "ring", "direct",
+/// "chain", "exchange", "none"); for logs, status and tests.
 std::string node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
                            const NodeAlgorithmOptions& options);
 

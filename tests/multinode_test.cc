@@ -89,19 +89,25 @@ TEST_CASE("the pairwise paths with chunk reductions on the worker pool, several 
 }
 
 TEST_CASE("large operations take the ring and chain paths and stay correct") {
-  Cluster cl(3, {"collectives.direct_max_bytes=4KiB", "tcp.chunk_bytes=64KiB"});
-  run_layout(cl, {0, 1, 2, 1}, (1 << 20) * 4 * 4 + 4096, [](RankCtx& c) {
-    // 1 Mi elements of int32 (4 MiB per rank) and an odd count.
-    for (std::size_t count : {std::size_t{1} << 20, std::size_t{300001}}) {
-      for (Op op : kOps) {
-        const std::size_t per = (op == Op::all_gather || op == Op::all_to_all ||
-                                 op == Op::reduce_scatter) ? count / 4 : count;
-        run_case(c, op, COLLECTIVE_INT32, COLLECTIVE_SUM, per, false, 1, 7);
-        run_case(c, op, COLLECTIVE_FLOAT32, COLLECTIVE_SUM, per, true, 2, 8);
+  // The defaults (pairwise on 3 nodes at these sizes), and the ring forced:
+  // its all-gather receives into place (posted) with 2 ranks on one node.
+  for (const std::string algorithm : {"auto", "ring"}) {
+    CAPTURE(algorithm);
+    Cluster cl(3, {"collectives.direct_max_bytes=4KiB", "tcp.chunk_bytes=64KiB",
+                   "collectives.algorithm=" + algorithm});
+    run_layout(cl, {0, 1, 2, 1}, (1 << 20) * 4 * 4 + 4096, [](RankCtx& c) {
+      // 1 Mi elements of int32 (4 MiB per rank) and an odd count.
+      for (std::size_t count : {std::size_t{1} << 20, std::size_t{300001}}) {
+        for (Op op : kOps) {
+          const std::size_t per = (op == Op::all_gather || op == Op::all_to_all ||
+                                   op == Op::reduce_scatter) ? count / 4 : count;
+          run_case(c, op, COLLECTIVE_INT32, COLLECTIVE_SUM, per, false, 1, 7);
+          run_case(c, op, COLLECTIVE_FLOAT32, COLLECTIVE_SUM, per, true, 2, 8);
+        }
       }
-    }
-    return 0;
-  });
+      return 0;
+    });
+  }
 }
 
 TEST_CASE("collective-perf --daemons: ranks on the daemons round robin, each rank's node named") {
@@ -154,7 +160,7 @@ TEST_CASE("large pairwise and chain operations: chunks received straight into th
 }
 
 TEST_CASE("a node that runs ahead waits until the receiver is ready: every chunk of a broadcast "
-          "chain and of a pairwise all-gather is received straight into place") {
+          "chain and of a pairwise or ring all-gather is received straight into place") {
   // The late ranks submit 150 ms after the early ones. Without the ready
   // handshake (node_algorithms.cc, tell_ready) the early node's chunks
   // arrived before the late node had posted its output, and were copied
@@ -176,9 +182,8 @@ TEST_CASE("a node that runs ahead waits until the receiver is ready: every chunk
     CHECK(count_of(cl.nodes[1].daemon->log(), placed) == 4 * 3);
     CHECK(count_of(cl.nodes[2].daemon->log(), placed) == 4 * 3);
   }
-  SUBCASE("all-gather: rank r is r x 150 ms late") {
-    Cluster cl(3, {"log.level=debug"});
-    const std::size_t count = 400000;  // int32 per rank: 1 + 0.53 MiB
+  const std::size_t count = 400000;  // int32 per rank: 1 + 0.53 MiB
+  auto late_all_gathers = [&](Cluster& cl) {
     run_layout(cl, {0, 1, 2}, count * 4 * 3 + 4096, [&](RankCtx& c) {
       for (int round = 0; round < 3; ++round) {
         std::this_thread::sleep_for(c.rank * 150ms);
@@ -186,8 +191,19 @@ TEST_CASE("a node that runs ahead waits until the receiver is ready: every chunk
       }
       return 0;
     });
+  };
+  SUBCASE("pairwise all-gather: rank r is r x 150 ms late") {
+    Cluster cl(3, {"log.level=debug", "collectives.algorithm=pairwise"});
+    late_all_gathers(cl);
     // Every node receives 2 chunks from each of the 2 others, 3 times.
     for (const auto& node : cl.nodes) CHECK(count_of(node.daemon->log(), placed) == 2 * 2 * 3);
+  }
+  SUBCASE("ring all-gather (the default from 8 MiB per node): rank r is r x 150 ms late") {
+    Cluster cl(3, {"log.level=debug", "collectives.algorithm=ring"});
+    late_all_gathers(cl);
+    // Every node receives 2 segments from its left, each whole (chunks 8x
+    // tcp.chunk_bytes), the one forwarded too, 3 times.
+    for (const auto& node : cl.nodes) CHECK(count_of(node.daemon->log(), placed) == 2 * 3);
   }
 }
 
