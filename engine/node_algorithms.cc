@@ -254,6 +254,14 @@ class Algorithms {
   /// pairwise at 8-64 MiB on 4 daemons (2 cores, medians of 3 rounds); the
   /// copy and the fresh buffers were most of it.
   void ring_all_gather(std::byte* buf, const std::vector<Segment>& segs, std::uint64_t phase) {
+    ring_all_gather_send(buf, segs, phase);
+    ring_all_gather_recv(buf, segs, phase);
+  }
+  /// Its start: posts the receives and sends this node's segment. `own_src`
+  /// (optional): the segment is read from there (one contiguous range)
+  /// instead of from `buf`, which the caller may fill meanwhile.
+  void ring_all_gather_send(std::byte* buf, const std::vector<Segment>& segs, std::uint64_t phase,
+                            std::byte* own_src = nullptr) {
     if (n_ == 1) return;
     const int right = mod(i_ + 1), left = mod(i_ - 1);
     const ScaledChunk larger(*this, kRingAllGatherChunks);
@@ -263,7 +271,17 @@ class Algorithms {
     // which time the right node has posted.
     if (all_gather_waits(segment_bytes(segs[left]))) tell_ready(left, phase);
     if (all_gather_waits(segment_bytes(segs[i_]))) await_ready(right, phase);
-    send_segment(right, buf, segs[i_], phase, 0);
+    if (own_src != nullptr) {
+      send_segment(right, own_src, Segment{Range{0, segment_bytes(segs[i_])}}, phase, 0);
+    } else {
+      send_segment(right, buf, segs[i_], phase, 0);
+    }
+  }
+  /// The rest: every other node's segment, received into `buf` and forwarded.
+  void ring_all_gather_recv(std::byte* buf, const std::vector<Segment>& segs, std::uint64_t phase) {
+    if (n_ == 1) return;
+    const int right = mod(i_ + 1), left = mod(i_ - 1);
+    const ScaledChunk larger(*this, kRingAllGatherChunks);
     for (int s = 0; s + 1 < n_; ++s) {
       const Segment& seg = segs[mod(i_ - s - 1)];
       const std::uint64_t total = segment_bytes(seg);
@@ -892,6 +910,15 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
       };
       algo.tell_final(tell);
       const GatherKind kind = all_gather_kind(one * op.nranks, n, options);
+      if (L.size() == 1 && kind == GatherKind::ring) {
+        // One rank: its input goes to the right from where it is, and its
+        // copy into the output follows that send (not before it).
+        algo.ring_all_gather_send(w, segs, 1, L[0].send);
+        ch.start_sends();
+        copy_own();
+        algo.ring_all_gather_recv(w, segs, 1);
+        return;
+      }
       if (L.size() == 1 && kind == GatherKind::pairwise) {
         // One rank: its input goes out from where it is, and its copy into
         // the output overlaps the exchange (once the sends are on their way).
