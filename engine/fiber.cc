@@ -44,8 +44,8 @@ FiberStack::FiberStack(std::size_t bytes) {
   const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
   bytes_ = (bytes + page - 1) / page * page;
   mapped_ = bytes_ + page;
-  void* m = ::mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                   -1, 0);
+  void* m = ::mmap(nullptr, mapped_, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (m == MAP_FAILED) throw_errno("mmap of a " + std::to_string(mapped_) + "-byte fiber stack");
   if (::mprotect(m, page, PROT_NONE) != 0) {
     const int e = errno;

@@ -652,7 +652,9 @@ class Algorithms {
   /// (every node runs the same code, so both ends agree).
   class ScaledChunk {
    public:
-    ScaledChunk(Algorithms& a, std::size_t factor) : a_(a), saved_(a.chunk_) { a_.chunk_ *= factor; }
+    ScaledChunk(Algorithms& a, std::size_t factor) : a_(a), saved_(a.chunk_) {
+      a_.chunk_ *= factor;
+    }
     ~ScaledChunk() { a_.chunk_ = saved_; }
     ScaledChunk(const ScaledChunk&) = delete;
     ScaledChunk& operator=(const ScaledChunk&) = delete;
@@ -700,7 +702,8 @@ GatherKind all_gather_kind(std::uint64_t total, int nodes, const NodeAlgorithmOp
   if (use_direct(total, o)) return GatherKind::direct;
   if (!use_pairwise(nodes, o)) return GatherKind::ring;
   // Two nodes: the ring and the pairwise exchange are the same transfers.
-  if (o.algorithm == "auto" && nodes >= 3 && total / static_cast<std::uint64_t>(nodes) >= kRingAllGatherMinBytes) {
+  const std::uint64_t per_node = total / static_cast<std::uint64_t>(nodes);
+  if (o.algorithm == "auto" && nodes >= 3 && per_node >= kRingAllGatherMinBytes) {
     return GatherKind::ring;
   }
   return GatherKind::pairwise;
@@ -736,7 +739,8 @@ bool reads_input_in_pieces(OpKind kind, std::uint64_t bytes, int nranks, int loc
   switch (kind) {
     case OpKind::all_reduce: return !use_direct(bytes, options) && use_pairwise(nodes, options);
     case OpKind::all_gather:
-      return all_gather_kind(bytes * static_cast<std::uint64_t>(nranks), nodes, options) == GatherKind::pairwise;
+      return all_gather_kind(bytes * static_cast<std::uint64_t>(nranks), nodes, options) ==
+             GatherKind::pairwise;
     case OpKind::reduce_scatter: return use_pairwise(nodes, options);
     case OpKind::broadcast: return true;
     default: return false;
