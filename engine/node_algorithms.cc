@@ -309,15 +309,7 @@ class Algorithms {
                             int left) {
     for (int s = 0; s + 1 < n_; ++s) {
       const Segment& seg = segs[mod(i_ - s - 1)];
-      const std::uint64_t total = segment_bytes(seg);
-      if (!posted(total)) continue;
-      for (std::uint64_t c = 0; c < chunks(total); ++c) {
-        const auto [from, to] = chunk_span(total, c);
-        const auto pieces = pieces_of(buf, seg, from, to);
-        if (pieces.size() != 1) continue;
-        ch_.post(left, tag_of(base_, phase, s, c),
-                 {const_cast<std::byte*>(pieces[0].data()), pieces[0].size()});
-      }
+      if (posted(segment_bytes(seg))) post_segment(left, buf, seg, phase, s);
     }
   }
 
@@ -476,14 +468,7 @@ class Algorithms {
   void post_all_gather(std::byte* buf, const std::vector<Segment>& segs, std::uint64_t phase) {
     for (int k = 1; k < n_; ++k) {
       const int j = mod(i_ - k);
-      const std::uint64_t total = segment_bytes(segs[j]);
-      for (std::uint64_t c = 0; c < chunks(total); ++c) {
-        const auto [from, to] = chunk_span(total, c);
-        const auto pieces = pieces_of(buf, segs[j], from, to);
-        if (pieces.size() != 1) continue;
-        ch_.post(j, tag_of(base_, phase, 0, c),
-                 {const_cast<std::byte*>(pieces[0].data()), pieces[0].size()});
-      }
+      post_segment(j, buf, segs[j], phase, 0);
     }
   }
   /// Its sends (after posting its receives). `own_src` (optional): this
@@ -663,6 +648,20 @@ class Algorithms {
     Algorithms& a_;
     std::size_t saved_;
   };
+
+  /// The receiving end of send_segment: offers each chunk of `seg` in `buf`
+  /// that is one contiguous range for the message `from` sends under it.
+  void post_segment(int from, std::byte* buf, const Segment& seg, std::uint64_t phase,
+                    std::uint64_t step) {
+    const std::uint64_t total = segment_bytes(seg);
+    for (std::uint64_t c = 0; c < chunks(total); ++c) {
+      const auto [lo, hi] = chunk_span(total, c);
+      const auto pieces = pieces_of(buf, seg, lo, hi);
+      if (pieces.size() != 1) continue;
+      ch_.post(from, tag_of(base_, phase, step, c),
+               {const_cast<std::byte*>(pieces[0].data()), pieces[0].size()});
+    }
+  }
 
   NodeChannel& ch_;
   int n_, i_;
