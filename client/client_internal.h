@@ -90,6 +90,7 @@ std::string comm_where(const collective_comm_t* comm);
 
 struct GpuState;  // client/gpu.cc
 class DirectComm;   // client/direct.h
+class ClientStaging;  // client/staging.h
 class LocalCompletion;
 
 /// A communicator's GPU side (client/gpu.cc): decided at its first
@@ -101,12 +102,17 @@ struct CommGpu {
   std::atomic<int> state{0};
   std::string path = "undecided: no stream-ordered collective yet";
   std::unique_ptr<DirectComm> direct;  ///< set: the client's own kernels run what they take
+  /// Across nodes: host memory this client stages operations through (made
+  /// at the first; used under the client's gpu_mutex).
+  std::unique_ptr<ClientStaging> staging;
   CommGpu();
   ~CommGpu();
 };
 CommGpu& comm_gpu(collective_comm_t* comm);
 /// The daemon's handle of the communicator (this rank's).
 std::uint64_t comm_handle(const collective_comm_t* comm);
+/// Nodes the communicator's ranks live on (0: the daemon did not say).
+int comm_nodes(const collective_comm_t* comm);
 
 /// A request for an operation the client runs itself: collective_wait and
 /// collective_test poll `done` instead of waiting for a daemon's reply.

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "client/client_internal.h"
+#include "client/staging.h"
 #include "client/direct.h"
 
 using namespace collectived;
@@ -38,6 +39,7 @@ struct collective_comm {
   std::uint64_t handle = 0;
   int rank = 0;
   int nranks = 0;
+  int nodes = 0;  // 0: unknown (an older daemon)
   std::string name;
   std::mutex group_mutex;
   bool in_group = false;
@@ -248,6 +250,7 @@ collective_result_t submit_gpu_group(collective_comm_t* comm, collective_request
 collective_client_t* comm_client(collective_comm_t* comm) { return comm->client; }
 CommGpu& comm_gpu(collective_comm_t* comm) { return comm->gpu; }
 std::uint64_t comm_handle(const collective_comm_t* comm) { return comm->handle; }
+int comm_nodes(const collective_comm_t* comm) { return comm->nodes; }
 CommGpu::CommGpu() = default;
 CommGpu::~CommGpu() = default;
 
@@ -381,6 +384,7 @@ collective_result_t collective_comm_init_rank(collective_client_t* client,
     c->handle = ready.getComm();
     c->rank = static_cast<int>(ready.getRank());
     c->nranks = static_cast<int>(ready.getNranks());
+    c->nodes = static_cast<int>(ready.getNodes());
     c->name = ready.getName().cStr();
     *comm = c.release();
   });
@@ -407,6 +411,7 @@ collective_result_t collective_comm_split(collective_comm_t* comm, int color, in
     c->handle = ready.getComm();
     c->rank = static_cast<int>(ready.getRank());
     c->nranks = static_cast<int>(ready.getNranks());
+    c->nodes = static_cast<int>(ready.getNodes());
     c->name = ready.getName().cStr();
     *newcomm = c.release();
   });

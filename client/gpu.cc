@@ -18,6 +18,7 @@
 
 #include "client/client_internal.h"
 #include "client/direct.h"
+#include "client/staging.h"
 #include "engine/gpu/cuda_driver.h"
 
 using namespace collectived;
@@ -62,6 +63,9 @@ struct GpuState {
   std::atomic<bool> stop{false};
   std::thread watchdog;
   DirectPolicy direct;  // what the daemon allows (AttachedGpu)
+  /// Across nodes, rank buffers up to this many bytes are staged here
+  /// (AttachedGpu.clientStageMaxBytes; 0: by the daemon).
+  std::uint64_t client_stage_max = 0;
 
   /// If the daemon dies, nothing writes the flag words any more: release every
   /// stream still waiting, so that the application's GPU never hangs on us
@@ -149,6 +153,7 @@ std::shared_ptr<GpuState> gpu_state(collective_client_t* client) {
     // 0: a daemon older than the field; DirectPolicy's default stands.
     if (a.getTwoStepMinGpus() != 0) s->direct.two_step_min_ranks = static_cast<int>(a.getTwoStepMinGpus());
     s->direct.two_step_bytes = a.getTwoStepBytes();
+    s->client_stage_max = a.getClientStageMaxBytes();
   } else {
     s->direct.reason = "the daemon does not offer the client's kernels (an older collectived)";
   }
@@ -309,13 +314,20 @@ Located locate_gpu(collective_client_t* client, GpuState& s, const void* ptr, st
 
 class StreamSubmit final : public GpuSubmit {
  public:
-  StreamSubmit(collective_client_t* client, std::shared_ptr<GpuState> s, cu::Stream stream)
-      : client_(client), s_(std::move(s)), stream_(stream) {}
+  /// `staged`: the communicator's staging, where this client stages the
+  /// operation itself (across nodes); null: the daemon reads the GPU buffers.
+  StreamSubmit(collective_client_t* client, std::shared_ptr<GpuState> s, cu::Stream stream,
+               CommGpu* staged = nullptr)
+      : client_(client), s_(std::move(s)), stream_(stream), staged_(staged) {}
 
   void fill(wire::Collective::Builder c, const void* send, std::uint64_t send_bytes,
             const void* recv, std::uint64_t recv_bytes) override {
     GpuState& s = *s_;
     ScopedContext scope(*s.cu, lock_stream_context());
+    if (staged_ != nullptr) {
+      fill_staged(c, send, send_bytes, recv, recv_bytes);
+      return;
+    }
     Located snd, rcv;
     if (send_bytes > 0) snd = locate_gpu(client_, s, send, send_bytes, "send");
     if (recv_bytes > 0) rcv = locate_gpu(client_, s, recv, recv_bytes, "recv");
@@ -381,10 +393,26 @@ class StreamSubmit final : public GpuSubmit {
   void sent() override {
     const CudaDriver& cu = *s_->cu;
     ScopedContext scope(cu, ctx_);
-    const cu::Result r = cu.cuStreamWaitValue32(stream_, s_->flags_dev + 4 * word_, ticket_,
-                                                cu::kStreamWaitValueGeq);
+    cu::Result r = cu.cuStreamWaitValue32(stream_, s_->flags_dev + 4 * word_, ticket_,
+                                          cu::kStreamWaitValueGeq);
+    std::string what = "cuStreamWaitValue32 (the caller's stream waiting for the daemon)";
+    if (r == cu::kSuccess && staged_ != nullptr) {
+      // The daemon wrote the output into the staging before the done word.
+      if (recv_bytes_ != 0) {
+        r = cu.cuMemcpyHtoDAsync(reinterpret_cast<cu::DevicePtr>(recv_), lease_.recv, recv_bytes_, stream_);
+        what = "copy of the output from host staging (cuMemcpyHtoDAsync)";
+      }
+      if (r == cu::kSuccess) {
+        try {
+          staged_->staging->release(stream_);
+        } catch (const Error&) {
+          lock_.unlock();
+          throw;
+        }
+      }
+    }
     lock_.unlock();
-    cu.check(r, "cuStreamWaitValue32 (the caller's stream waiting for the daemon)");
+    cu.check(r, what);
   }
 
   std::function<void()> on_failure() override {
@@ -392,9 +420,52 @@ class StreamSubmit final : public GpuSubmit {
   }
 
  private:
+  /// Staged by the client: the input goes to host staging on the caller's
+  /// stream, then the ready word; the request names the staging (host
+  /// registrations) and says so (GpuSync.clientStaged). gpu_mutex held, the
+  /// stream's context current.
+  void fill_staged(wire::Collective::Builder c, const void* send, std::uint64_t send_bytes,
+                   const void* recv, std::uint64_t recv_bytes) {
+    GpuState& s = *s_;
+    const CudaDriver& cu = *s.cu;
+    // The buffers as they are (no registration: the daemon never maps them),
+    // but within their allocations.
+    if (send_bytes > 0) inspect_gpu(client_, s, send, send_bytes, "send");
+    if (recv_bytes > 0) inspect_gpu(client_, s, recv, recv_bytes, "recv");
+    if (!staged_->staging) {
+      staged_->staging = std::make_unique<ClientStaging>(client_, std::shared_ptr<const CudaDriver>(s_, s.cu.get()));
+    }
+    // All-reduce and broadcast in place on the host (one buffer): their
+    // input is read once and their output has its size, so the host
+    // collective copies nothing from one to the other.
+    const auto kind = c.asReader().getKind();
+    const bool one = (kind == wire::OpKind::ALL_REDUCE || kind == wire::OpKind::BROADCAST) &&
+                     (send_bytes == 0 || send_bytes == recv_bytes);
+    lease_ = staged_->staging->take(send_bytes, recv_bytes, one, stream_);
+    if (send_bytes > 0) {
+      cu.check(cu.cuMemcpyDtoHAsync(lease_.send, reinterpret_cast<cu::DevicePtr>(send), send_bytes, stream_),
+               "copy of the input to host staging (cuMemcpyDtoHAsync)");
+      c.getSend().setHandle(lease_.handle);
+      c.getSend().setOffset(lease_.send_offset);
+    }
+    if (recv_bytes > 0) {
+      c.getRecv().setHandle(lease_.handle);
+      c.getRecv().setOffset(lease_.recv_offset);
+    }
+    recv_ = recv;
+    recv_bytes_ = recv_bytes;
+    auto g = c.initGpu();
+    fill_sync(g, 0, 0);
+    g.setClientStaged(true);
+  }
+
   collective_client_t* client_;
   std::shared_ptr<GpuState> s_;
   cu::Stream stream_;
+  CommGpu* staged_ = nullptr;
+  ClientStaging::Lease lease_;
+  const void* recv_ = nullptr;
+  std::uint64_t recv_bytes_ = 0;
   cu::Context ctx_ = nullptr;
   std::unique_lock<std::mutex> lock_;
   std::uint32_t word_ = 0, ticket_ = 0;
@@ -492,7 +563,13 @@ collective_result_t stream_op(collective_comm_t* comm, wire::OpKind kind, const 
                         root, stream, name, request);
     }
   }
-  StreamSubmit submit(comm_client(comm), s, static_cast<cu::Stream>(stream));
+  // Across nodes, up to the daemon's limit: staged here, on the caller's
+  // stream (the same choice on every rank of this node's daemon is not
+  // needed: each rank's staging is its own).
+  const std::uint64_t one = count * collective_dtype_size(dtype);
+  const bool staged = comm_nodes(comm) > 1 && count > 0 && one != 0 && one <= s->client_stage_max;
+  StreamSubmit submit(comm_client(comm), s, static_cast<cu::Stream>(stream),
+                      staged ? &comm_gpu(comm) : nullptr);
   return submit_gpu_collective(comm, kind, send, send_bytes, recv, recv_bytes, count, dtype, redop,
                                root, name, request, submit);
 }

@@ -694,6 +694,10 @@ constexpr std::array kSchema{
         [](N n, Profile& p, C c) { p.gpu.two_step_bytes = as_size(n, c, 0, 1 * GiB); },
         [](E e, P p) { e << p.gpu.two_step_bytes; },
         "rank buffers from which the client's kernels take two steps; 0 = never"},
+    Key{"gpu.client_stage_max_bytes",
+        [](N n, Profile& p, C c) { p.gpu.client_stage_max_bytes = as_size(n, c, 0, 1 * GiB); },
+        [](E e, P p) { e << p.gpu.client_stage_max_bytes; },
+        "across nodes, rank buffers up to this size are staged by the client; 0 = by the daemon"},
 
     Key{"log.level",
         [](N n, Profile& p, C c) { p.log.level = as_enum<LogLevel>(n, c, kLogLevels); },

@@ -156,6 +156,13 @@ struct GpuSection {
   /// Bytes per rank from which the client's kernels take two steps (with at
   /// least two_step_min_gpus ranks); 0 = never.
   std::uint64_t two_step_bytes = 512 * 1024;
+  /// Across nodes, rank buffers up to this many bytes (count x element size)
+  /// are staged by the client library on the caller's stream (copies to and
+  /// from host memory it shares with the daemon); larger ones by the daemon
+  /// (pipelined with the exchange). 0 = the daemon always. Capped at
+  /// stage_chunk_bytes where that is set (a staged-by-client operation is
+  /// never cut).
+  std::uint64_t client_stage_max_bytes = 8 * 1024 * 1024;
 };
 
 struct MetricsSection {

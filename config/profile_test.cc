@@ -116,9 +116,10 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   REQUIRE(!text.empty());
   const std::vector<std::string> keys = cfg::known_keys();
   CHECK(keys.size() ==
-        50);  // main's 37 + metrics.listen + gpu.stage_chunk_bytes + tcp.io_threads +
+        51);  // main's 37 + metrics.listen + gpu.stage_chunk_bytes + tcp.io_threads +
               // verbs.in_place_min_bytes + gpu.copy_engine_min_bytes + gpu.client_kernels +
-              // gpu.client_kernel_max_bytes + tcp.congestion_control
+              // gpu.client_kernel_max_bytes + tcp.congestion_control +
+              // gpu.client_stage_max_bytes
   CHECK(keys.front() == "node.name");
   CHECK(keys.back() == "metrics.listen");
   for (const std::string& key : keys) {
@@ -135,6 +136,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   CHECK(p.gpu.client_kernel_max_bytes == 16 * 1024 * 1024);
   CHECK(p.gpu.two_step_min_gpus == 3);
   CHECK(p.gpu.two_step_bytes == 512 * 1024);
+  CHECK(p.gpu.client_stage_max_bytes == 8 * 1024 * 1024);
   CHECK(p.client.socket == "/run/collectived/collectived.sock");
   CHECK(p.client.socket_mode == 0660);
   CHECK(p.client.allowed_uids == std::vector<std::uint32_t>{0});

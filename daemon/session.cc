@@ -120,6 +120,7 @@ void ClientSession::deliver(std::uint64_t id, engine::Result result) {
     r.setRank(result.comm->rank);
     r.setNranks(result.comm->nranks);
     r.setName(result.comm->name.c_str());
+    r.setNodes(result.comm->nodes);
   } else {
     m.initCompleted().setSeq(result.seq);
   }
@@ -358,7 +359,12 @@ void ClientSession::handle_p2p(std::uint64_t id, wire::P2PGroup::Reader req, boo
     items.push_back(a);
   }
   std::shared_ptr<engine::gpu::RankSync> gpu;
-  if (req.hasGpu()) gpu = gpu_sync(req.getGpu());  // daemon/session_gpu.cc
+  if (req.hasGpu()) {
+    if (req.getGpu().getClientStaged()) {
+      throw Error(Code::invalid_argument, "a send/recv group cannot be staged by the client");
+    }
+    gpu = gpu_sync(req.getGpu());  // daemon/session_gpu.cc
+  }
   host_.engine().p2p_group(client_ref(from_worker), id, req.getComm(), items, std::move(gpu));
 }
 

@@ -22,6 +22,7 @@ engine::gpu::GpuSyncArgs sync_args(wire::GpuSync::Reader req) {
   a.ready_word = req.getReadyWord();
   a.send_buffer_id = req.getSendBufferId();
   a.recv_buffer_id = req.getRecvBufferId();
+  a.client_staged = req.getClientStaged();
   return a;
 }
 
@@ -128,6 +129,11 @@ void ClientSession::handle_attach_gpu(std::uint64_t id, wire::AttachGpu::Reader 
   a.setMaxBytes(g.client_kernel_max_bytes);
   a.setTwoStepMinGpus(static_cast<std::uint32_t>(g.two_step_min_gpus));
   a.setTwoStepBytes(g.two_step_bytes);
+  // An operation the client stages is never cut in chunks (every daemon of
+  // the cluster cuts above the same gpu.stage_chunk_bytes).
+  std::uint64_t stage_max = g.client_stage_max_bytes;
+  if (g.stage_chunk_bytes != 0) stage_max = std::min(stage_max, g.stage_chunk_bytes);
+  a.setClientStageMaxBytes(stage_max);
   send(ipc::encode_frame(b));
 }
 
@@ -165,6 +171,16 @@ bool ClientSession::submit_chunked(std::uint64_t id, wire::Collective::Reader re
     default: return false;
   }
   const bool on_gpu = req.hasGpu();
+  if (on_gpu && req.getGpu().getClientStaged()) {
+    // The client stages only what is not cut (AttachedGpu.clientStageMaxBytes).
+    const auto dt = engine::dtype_from_int(req.getDtype());
+    if (dt && req.getCount() > chunk_bytes / engine::dtype_size(*dt)) {
+      throw Error(Code::invalid_argument,
+                  "an operation staged by the client is larger than gpu.stage_chunk_bytes (" +
+                      std::to_string(chunk_bytes) + " bytes per rank), which every daemon cuts in chunks");
+    }
+    return false;
+  }
   // Whatever is wrong with the request, the engine says it for the whole
   // operation: anything unusual is not cut.
   const auto dtype = engine::dtype_from_int(req.getDtype());

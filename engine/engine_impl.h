@@ -1346,6 +1346,15 @@ struct Engine::Impl {
         throw Error(Code::invalid_argument,
                     std::string(which) + " buffer is GPU memory: use the stream-ordered call");
       }
+      if (a.gpu && a.gpu->client_staged) {
+        // The client's own host staging (its registration, checked like any
+        // host buffer); the executor refuses it inside one node.
+        if (on_device) {
+          throw Error(Code::invalid_argument,
+                      std::string(which) + " buffer is GPU memory, but the operation is staged by the client");
+        }
+        continue;
+      }
       if (a.gpu && !on_device) {
         throw Error(Code::invalid_argument,
                     std::string(which) + " buffer is host memory, but the operation is on GPU buffers");

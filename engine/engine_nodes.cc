@@ -943,7 +943,8 @@ std::shared_ptr<Comm> Engine::Impl::make_spanning_comm(
   for (const auto& [r, j] : local) {
     Result res;
     res.comm = CommInfo{comm->members[r].handle, static_cast<std::uint32_t>(r),
-                        static_cast<std::uint32_t>(comm->nranks), comm->name};
+                        static_cast<std::uint32_t>(comm->nranks), comm->name,
+                        static_cast<std::uint32_t>(std::max<std::size_t>(1, comm->node_address.size()))};
     out.push_back({j.client.sink, j.request, std::move(res)});
   }
   log.info("comm_created", {{"comm", comm->name},
@@ -1229,7 +1230,8 @@ void Engine::Impl::make_split_children(const std::shared_ptr<Comm>& cp, std::uin
         handles[m.handle] = {child, i};
         ++child->local_count;
         info[ranks[i]] = CommInfo{m.handle, static_cast<std::uint32_t>(i),
-                                  static_cast<std::uint32_t>(child->nranks), child->name};
+                                  static_cast<std::uint32_t>(child->nranks), child->name,
+                                  static_cast<std::uint32_t>(std::max<std::size_t>(1, child->node_address.size()))};
       }
       child->members.push_back(std::move(m));
     }

@@ -80,6 +80,7 @@ struct CommInfo {
   std::uint32_t rank = 0;
   std::uint32_t nranks = 0;
   std::string name;
+  std::uint32_t nodes = 1;  ///< nodes its ranks live on
 };
 
 /// The answer to one request.

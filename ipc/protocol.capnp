@@ -162,6 +162,7 @@ struct CommReady {
   rank @1 :UInt32;
   nranks @2 :UInt32;
   name @3 :Text;            # short printable id used in every message about it
+  nodes @4 :UInt32;         # nodes its ranks live on (0 from an older daemon: unknown)
 }
 
 # Collective over `comm`: ranks with equal color form a new communicator.
@@ -404,6 +405,9 @@ struct AttachedGpu {
   maxBytes @2 :UInt64;      # gpu.client_kernel_max_bytes: largest rank buffer they take
   twoStepMinGpus @3 :UInt32; # gpu.two_step_min_gpus (0 from an older daemon: 3)
   twoStepBytes @4 :UInt64;   # gpu.two_step_bytes (0: never)
+  clientStageMaxBytes @5 :UInt64;  # across nodes, rank buffers up to this many bytes (count x
+                            # element size) the client stages itself (GpuSync.clientStaged);
+                            # 0: never (gpu.client_stage_max_bytes, or an older daemon)
 }
 
 # The stream hand-off of one stream-ordered collective: the client recorded an
@@ -421,6 +425,10 @@ struct GpuSync {
                             # word of its flag page when its producer work was done; the
                             # daemon's stream waits for it (and the daemon writes it itself if
                             # the client dies, so that its streams never wait forever)
+  clientStaged @7 :Bool;    # across nodes: the client copied the input into host memory of
+                            # its own (send/recv are host registrations) before its ready word,
+                            # and copies the output back after its done word; the daemon runs
+                            # the host collective on those buffers between the two words
 }
 
 struct GpuStatus {

@@ -186,6 +186,9 @@ class CudaDriver {
   X(cuLaunchKernel, cu::Result (*)(cu::Function, unsigned, unsigned, unsigned, unsigned,     \
                                    unsigned, unsigned, unsigned, cu::Stream, void**, void**)) \
   X(cuMemHostAlloc, cu::Result (*)(void**, std::size_t, unsigned))                           \
+  /* staging by the client across nodes (client/staging.cc): */                              \
+  X(cuMemcpyDtoHAsync, cu::Result (*)(void*, cu::DevicePtr, std::size_t, cu::Stream))         \
+  X(cuMemcpyHtoDAsync, cu::Result (*)(cu::DevicePtr, const void*, std::size_t, cu::Stream))   \
   X(cuMemFreeHost, cu::Result (*)(void*))                                                     \
   /* Used by tools and tests (collective-perf -g, tests/gpu): */                             \
   X(cuMemAlloc, cu::Result (*)(cu::DevicePtr*, std::size_t))                                  \

@@ -52,6 +52,10 @@ class RankSync {
   virtual ~RankSync() = default;
   std::uint64_t send_buffer_id = 0;  ///< the client's buffer ids at submission (stale check)
   std::uint64_t recv_buffer_id = 0;
+  /// Staged by the client (GpuSyncArgs::client_staged): the operation's
+  /// buffers are host memory the client registered, which its stream filled
+  /// before the ready word and reads back after the done word.
+  bool client_staged = false;
 };
 
 /// The wire's GpuSync fields.
@@ -61,6 +65,11 @@ struct GpuSyncArgs {
   std::uint32_t flag_word = 0;
   std::uint32_t ticket = 0;
   std::uint32_t ready_word = 0;  ///< used when event_handle is empty
+  /// Across nodes: the client copies the input to host buffers of its own
+  /// (the operation's send/recv) before the ready word and the output back
+  /// after the done word; the executor only waits for the one and writes the
+  /// other, from the CPU.
+  bool client_staged = false;
   std::uint64_t send_buffer_id = 0;
   std::uint64_t recv_buffer_id = 0;
 };

@@ -386,6 +386,9 @@ struct Pending {
   Clock::time_point deadline = Clock::time_point::max();
   bool answered = false;  // done() ran (deadline): wait for the GPU only to recycle
   bool releases_done = true;  // the op writes the ranks' done words (not stage_in)
+  /// Ranks staged by their client: done also waits for their ready words,
+  /// which the CPU reads (held alive by `syncs`).
+  std::vector<const Sync*> ready_words;
 };
 
 /// A staged operation (across nodes): pinned host buffers per local rank.
@@ -552,6 +555,10 @@ class CudaExecutor final : public GpuExecutor {
     sync->ticket = a.ticket;
     sync->session = session;
     sync->graveyard = graveyard_;
+    sync->client_staged = a.client_staged;
+    if (a.client_staged && !a.event_handle.empty()) {
+      throw Error(Code::invalid_argument, "an operation staged by the client takes a ready word, not an event");
+    }
     if (a.event_handle.empty()) {
       // The client's stream marks its input ready on a flag word.
       if (a.ready_word >= s.flags->words()) {
@@ -643,6 +650,13 @@ class CudaExecutor final : public GpuExecutor {
     require();
     const int n = static_cast<int>(op.sync.size());
     std::vector<int> rank_dev(n, -1);
+    for (int r = 0; r < n; ++r) {
+      if (op.sync[r] && op.sync[r]->client_staged) {
+        throw Error(Code::invalid_argument,
+                    op.who[r] + " staged its GPU buffers through host memory, but the communicator "
+                                "has every rank on this node (only operations across nodes are staged)");
+      }
+    }
     for (int r = 0; r < n; ++r) {
       if (op.recv[r].reg) rank_dev[r] = op.recv[r].reg->device->device();
       else if (op.send[r].reg) rank_dev[r] = op.send[r].reg->device->device();
@@ -808,8 +822,18 @@ class CudaExecutor final : public GpuExecutor {
     p.releases_done = false;
     // Pinned staging first, outside the lock (a first cudaHostAlloc of a size
     // takes milliseconds, and may wait for the GPU).
+    bool by_client = false;
     for (int r = 0; r < n; ++r) {
       if (!op.sync[r]) continue;
+      if (op.sync[r]->client_staged) {
+        // The client's own host buffers, filled by its stream before its
+        // ready word, read back after its done word: the host collective
+        // runs on them as they are.
+        st->send[r] = Span{nullptr, op.send[r].ptr, op.send[r].bytes};
+        st->recv[r] = Span{nullptr, op.recv[r].ptr, op.recv[r].bytes};
+        by_client = true;
+        continue;
+      }
       if (auto* s = static_cast<Sync*>(op.sync[r].get()); s->pipe) {
         // A chunk of a pipelined operation: its part of the rank's staging.
         s->pipe->allocate();
@@ -838,7 +862,10 @@ class CudaExecutor final : public GpuExecutor {
     };
     std::uint64_t piece = 0, in_bytes = 0;
     std::uint32_t pieces = 1;
-    if (op.in_piece_bytes != 0 && !op.hold) {
+    // Not where a client stages its rank: its host buffers are its to read
+    // (the previous operation's output, on its stream) until its ready word,
+    // and a host collective started before that might receive into them.
+    if (op.in_piece_bytes != 0 && !op.hold && !by_client) {
       bool uniform = true;
       for (int r = 0; r < n; ++r) {
         if (op.sync[r] && static_cast<Sync*>(op.sync[r].get())->pipe) uniform = false;
@@ -885,6 +912,10 @@ class CudaExecutor final : public GpuExecutor {
     for (int r = 0; r < n; ++r) {
       auto* s = static_cast<Sync*>(op.sync[r].get());
       if (s == nullptr) continue;  // a rank on another node
+      if (s->client_staged) {
+        p.ready_words.push_back(s);  // the completion thread reads it
+        continue;
+      }
       const Span& gs = op.send[r];
       const Span& gr = op.recv[r];
       if (s->pipe) {
@@ -942,6 +973,9 @@ class CudaExecutor final : public GpuExecutor {
       p.spans.push_back(gr);
     }
     p.syncs = op.sync;
+    if (by_client && log_.enabled(config::LogLevel::debug)) {
+      log_.debug("gpu_client_staged", {{"comm", op.comm}, {"seq", op.seq}, {"op", to_string(op.kind)}});
+    }
     const Clock::time_point deadline = op.deadline;
     st->op = std::move(op);
     p.keep = st;
@@ -976,6 +1010,13 @@ class CudaExecutor final : public GpuExecutor {
     for (int r = 0; r < n; ++r) {
       auto* s = static_cast<Sync*>(op.sync[r].get());
       if (s == nullptr) continue;
+      if (s->client_staged) {
+        // The outputs are final in the client's host buffers: its stream
+        // goes on and copies them back itself.
+        s->advance(s->word);
+        s->released = true;
+        continue;
+      }
       const Span& gs = op.send[r];
       const Span& gr = op.recv[r];
       if (s->pipe) {
@@ -1070,7 +1111,7 @@ class CudaExecutor final : public GpuExecutor {
     const GpuCollective& op = st.op;
     if (r < 0 || r >= static_cast<int>(op.sync.size()) || bytes == 0 || op.hold) return;
     const auto* s = static_cast<const Sync*>(op.sync[r].get());
-    if (s == nullptr || s->pipe) return;
+    if (s == nullptr || s->pipe || s->client_staged) return;
     const Span& gr = op.recv[r];
     if (!copied_back(op, r) || gr.reg == nullptr || st.recv[r].ptr == nullptr || offset > gr.bytes ||
         bytes > gr.bytes - offset) {
@@ -1687,8 +1728,10 @@ class CudaExecutor final : public GpuExecutor {
       std::vector<Pending*> done_now;
       bool due = stopping;
       for (Pending* p : snapshot) {
-        bool done = true;
+        bool done = std::all_of(p->ready_words.begin(), p->ready_words.end(),
+                                [](const Sync* s) { return s->ready_reached(); });
         for (auto& [dev, e] : p->tails) {
+          if (!done) break;
           const cudaError_t r = cudaEventQuery(e);
           if (r == cudaErrorNotReady) {
             done = false;

@@ -918,8 +918,144 @@ TEST_CASE("gpu: a client killed while its operation is queued on the GPU (client
   killed_while_queued("on");
 }
 
+/// Operations queued back to back on one stream, none waited for until the
+/// last: each has its own input and output, and sizes that grow and shrink,
+/// so that consecutive operations reuse (and outgrow) the client's host
+/// staging while the earlier ones are still on the stream. Integer data and
+/// exact operations (sums of 2 ranks, copies): any byte read or written at
+/// the wrong time is wrong in the result.
+int burst_body(GpuRank& g) {
+  const int n = g.nranks, rank = g.rank;
+  struct Op {
+    Kind k;
+    std::size_t count;
+    int root;
+    cu::DevicePtr send = 0, recv = 0;
+    std::size_t recv_bytes = 0;
+    std::vector<std::byte> want;
+  };
+  std::vector<Op> ops;
+  const std::size_t counts[] = {1001, 300000, 5, 70001, 1u << 20, 3, 262144, 999999};
+  const Kind kinds[] = {Kind::all_reduce, Kind::all_gather, Kind::reduce_scatter, Kind::broadcast};
+  std::uint64_t salt = 9000;
+  for (int i = 0; i < 24; ++i) {
+    Op o;
+    o.k = kinds[i % 4];
+    o.count = counts[i % 8];
+    o.root = i % n;
+    const std::size_t es = 4, one = o.count * es;
+    const bool big_send = o.k == Kind::reduce_scatter, big_recv = o.k == Kind::all_gather;
+    const std::size_t send_elems = big_send ? o.count * n : o.count;
+    std::vector<std::vector<std::byte>> in(n);
+    for (int r = 0; r < n; ++r) in[r] = input(engine::DType::int32, engine::RedOp::sum, r, send_elems, salt);
+    ++salt;
+    o.recv_bytes = big_recv ? one * n : one;
+    o.send = g.alloc(send_elems * es);
+    o.recv = g.alloc(o.recv_bytes);
+    g.upload(o.send, in[rank].data(), in[rank].size(), "upload");
+    o.want.resize(o.recv_bytes);
+    auto sum_at = [&](std::size_t at, std::byte* dst) {
+      std::vector<const void*> srcs;
+      for (int r = 0; r < n; ++r) srcs.push_back(in[r].data() + at * es);
+      engine::reduce(engine::DType::int32, engine::RedOp::sum, dst, srcs.data(), srcs.size(), o.count,
+                     static_cast<std::size_t>(n));
+    };
+    switch (o.k) {
+      case Kind::all_reduce: sum_at(0, o.want.data()); break;
+      case Kind::reduce_scatter: sum_at(rank * o.count, o.want.data()); break;
+      case Kind::all_gather:
+        for (int r = 0; r < n; ++r) std::memcpy(o.want.data() + r * one, in[r].data(), one);
+        break;
+      default: std::memcpy(o.want.data(), in[o.root].data(), one); break;
+    }
+    ops.push_back(std::move(o));
+  }
+  std::vector<collective_request_t*> reqs;
+  for (Op& o : ops) {
+    auto* sp = reinterpret_cast<const void*>(o.send);
+    auto* rp = reinterpret_cast<void*>(o.recv);
+    collective_request_t* req = nullptr;
+    collective_result_t rc = COLLECTIVE_OK;
+    switch (o.k) {
+      case Kind::all_reduce:
+        rc = collective_all_reduce_stream(g.comm, sp, rp, o.count, COLLECTIVE_INT32, COLLECTIVE_SUM, g.stream, &req);
+        break;
+      case Kind::all_gather:
+        rc = collective_all_gather_stream(g.comm, sp, rp, o.count, COLLECTIVE_INT32, g.stream, &req);
+        break;
+      case Kind::reduce_scatter:
+        rc = collective_reduce_scatter_stream(g.comm, sp, rp, o.count, COLLECTIVE_INT32, COLLECTIVE_SUM, g.stream, &req);
+        break;
+      default:
+        rc = collective_broadcast_stream(g.comm, sp, rp, o.count, COLLECTIVE_INT32, o.root, g.stream, &req);
+        break;
+    }
+    if (rc != COLLECTIVE_OK) throw std::runtime_error(std::string(kind_name(o.k)) + ": " + collective_last_error());
+    reqs.push_back(req);
+  }
+  for (auto* req : reqs) {
+    if (collective_wait(req, -1) != COLLECTIVE_OK) throw std::runtime_error(std::string("wait: ") + collective_last_error());
+    collective_request_free(req);
+  }
+  g.ok(g.cu->cuStreamSynchronize(g.stream), "cuStreamSynchronize");
+  long wrong = 0;
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    Op& o = ops[i];
+    std::vector<std::byte> got(o.recv_bytes);
+    g.ok(g.cu->cuMemcpyDtoH(got.data(), o.recv, o.recv_bytes), "download");
+    long w = 0;
+    for (std::size_t b = 0; b < o.recv_bytes; ++b) w += got[b] != o.want[b] ? 1 : 0;
+    if (w != 0) {
+      std::fprintf(stderr, "rank %d: burst op %zu (%s, count %zu): %ld wrong bytes\n", rank, i, kind_name(o.k),
+                   o.count, w);
+    }
+    wrong += w;
+    g.ok(g.cu->cuMemFree(o.send), "free");
+    g.ok(g.cu->cuMemFree(o.recv), "free");
+  }
+  return wrong == 0 ? 0 : 1;
+}
+
+/// How each daemon of `cl` staged its operations across nodes: counts of
+/// "gpu_client_staged" (debug) lines in its log.
+std::size_t client_staged_lines(const GpuCluster& cl) {
+  std::size_t lines = 0;
+  for (const auto& node : cl.nodes) {
+    const std::string log = node.daemon->log();
+    for (std::size_t at = log.find("gpu_client_staged"); at != std::string::npos;
+         at = log.find("gpu_client_staged", at + 1)) {
+      ++lines;
+    }
+  }
+  return lines;
+}
+
+TEST_CASE("gpu: across nodes, staged by the client: every operation, then a burst of queued operations") {
+  // The default gpu.client_stage_max_bytes (8 MiB) takes the whole matrix;
+  // the 64 MiB all-reduce goes to the daemon's staging.
+  GpuCluster cl(2, {"log.level=debug"});
+  const bool ok = with_ranks_on(cl.sockets(), std::min(g_gpus, 2), [](GpuRank& g) {
+    int rc = matrix_body(g);
+    std::string first;
+    if (run_case(g, Kind::all_reduce, engine::DType::float32, engine::RedOp::sum, 16u << 20, 0, false, 7,
+                 first) != 0) {
+      std::fprintf(stderr, "rank %d: %s\n", g.rank, first.c_str());
+      rc = 1;
+    }
+    return rc != 0 ? rc : burst_body(g);
+  }, 600s);
+  if (!ok) cl.dump_logs();
+  CHECK(ok);
+  CHECK(client_staged_lines(cl) > 100);
+  for (const auto& node : cl.nodes) {
+    CHECK(node.daemon->log().find("gpu_staged") != std::string::npos);  // the 64 MiB one: the daemon's
+  }
+}
+
 TEST_CASE("gpu: across nodes: two daemons joined by TCP, GPU buffers staged through host memory") {
-  GpuCluster cl(2);
+  // Staged by the daemons (gpu.client_stage_max_bytes=0): the matrix
+  // through their pinned staging, input pieces and early copies back.
+  GpuCluster cl(2, {"log.level=debug", "gpu.client_stage_max_bytes=0"});
   const bool ok = with_ranks_on(cl.sockets(), std::min(g_gpus, 2), [](GpuRank& g) {
     int rc = matrix_body(g);
     // A large one: 64 MiB all-reduce crosses many staging and transfer chunks.
@@ -929,9 +1065,11 @@ TEST_CASE("gpu: across nodes: two daemons joined by TCP, GPU buffers staged thro
       std::fprintf(stderr, "rank %d: %s\n", g.rank, first.c_str());
       rc = 1;
     }
-    return rc;
+    return rc != 0 ? rc : burst_body(g);
   }, 600s);
   if (!ok) cl.dump_logs();
+  CHECK(ok);
+  CHECK(client_staged_lines(cl) == 0);
 }
 
 TEST_CASE("gpu: across nodes: two daemons with two ranks each (a GPU per rank, or one per daemon), staged") {
@@ -1000,7 +1138,8 @@ static void late_input_across_nodes(std::size_t count, std::vector<std::string> 
 }
 
 TEST_CASE("gpu: across nodes: a rank whose input never becomes ready fails by its deadline, named") {
-  late_input_across_nodes(1024, {});
+  late_input_across_nodes(1024, {});  // staged by the client
+  late_input_across_nodes(1024, {"gpu.client_stage_max_bytes=0"});  // by the daemon
 }
 
 TEST_CASE("gpu: across nodes, pipelined: a late input fails every chunk by the deadline, named") {

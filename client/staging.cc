@@ -1,0 +1,109 @@
+#include "client/staging.h"
+
+#include <algorithm>
+#include <string>
+
+#include "client/client_internal.h"
+
+namespace collectived::client {
+
+namespace cu = collectived::gpu::cu;
+using collectived::gpu::ScopedContext;
+
+namespace {
+// Blocks grow in whole MiB, at least doubling: a few allocations (each a
+// memfd, a daemon registration and a cuMemHostRegister, ~1 ms for 8 MiB) for
+// a run of growing sizes.
+constexpr std::uint64_t kUnit = std::uint64_t{1} << 20;
+constexpr std::uint64_t kAlign = 64;
+
+std::uint64_t round_up(std::uint64_t v, std::uint64_t to) { return (v + to - 1) / to * to; }
+}  // namespace
+
+ClientStaging::ClientStaging(collective_client_t* client, std::shared_ptr<const gpu::CudaDriver> cu)
+    : client_(client), cu_(std::move(cu)) {}
+
+ClientStaging::~ClientStaging() {
+  free_block(current_);
+  for (Block& b : retired_) free_block(b);
+}
+
+void ClientStaging::allocate(std::uint64_t bytes, Block& b) {
+  const gpu::CudaDriver& cu = *cu_;
+  void* p = nullptr;
+  if (collective_host_alloc(client_, bytes, &p) != COLLECTIVE_OK) {
+    throw Error(Code::resource_exhausted,
+                std::string("host staging of ") + std::to_string(bytes) + " bytes: " + collective_last_error());
+  }
+  b.host = static_cast<std::byte*>(p);
+  b.bytes = bytes;
+  try {
+    auto [h, o] = client_->locate(p, bytes, "staging");
+    b.handle = h;
+    b.offset = o;
+    // Pinned for the copy engines: the stream's copies then run
+    // asynchronously at full speed (pageable memory would be copied through
+    // the driver's own bounce buffers, synchronously).
+    cu.check(cu.cuMemHostRegister(p, bytes, cu::kMemHostRegisterPortable),
+             "cuMemHostRegister of " + std::to_string(bytes) + " bytes of host staging");
+    b.registered = true;
+    cu.check(cu.cuCtxGetCurrent(&b.ctx), "cuCtxGetCurrent");
+    cu.check(cu.cuEventCreate(&b.used, cu::kEventDisableTiming), "cuEventCreate (staging)");
+  } catch (...) {
+    free_block(b);
+    throw;
+  }
+}
+
+void ClientStaging::free_block(Block& b) noexcept {
+  if (b.host == nullptr) return;
+  const gpu::CudaDriver& cu = *cu_;
+  try {
+    ScopedContext scope(cu, b.ctx);
+    if (b.used != nullptr) {
+      // The stream's last copies out of the block must be done before the
+      // memory goes (a communicator is destroyed once its operations are
+      // answered, which their streams may not have reached yet).
+      cu.cuEventSynchronize(b.used);
+      cu.cuEventDestroy(b.used);
+    }
+    if (b.registered) cu.cuMemHostUnregister(b.host);
+  } catch (const Error&) {
+    // The context is gone (the process is tearing CUDA down): so is the GPU's use of the block.
+  }
+  collective_host_free(client_, b.host);
+  b = Block{};
+}
+
+ClientStaging::Lease ClientStaging::take(std::uint64_t send_bytes, std::uint64_t recv_bytes, bool one,
+                                         cu::Stream stream) {
+  const gpu::CudaDriver& cu = *cu_;
+  const std::uint64_t send_at = 0;
+  const std::uint64_t recv_at = one ? 0 : round_up(send_bytes, kAlign);
+  const std::uint64_t need = std::max<std::uint64_t>(1, one ? std::max(send_bytes, recv_bytes) : recv_at + recv_bytes);
+  if (current_.bytes < need) {
+    Block b;
+    allocate(std::max(round_up(need, kUnit), 2 * current_.bytes), b);
+    // The old block's last copies may still be queued: it goes with the
+    // communicator.
+    if (current_.host != nullptr) retired_.push_back(current_);
+    current_ = b;
+  } else {
+    // The previous operation's copy out of this block comes first.
+    cu.check(cu.cuStreamWaitEvent(stream, current_.used, 0), "cuStreamWaitEvent (host staging reused)");
+  }
+  Lease l;
+  l.handle = current_.handle;
+  l.send_offset = current_.offset + send_at;
+  l.recv_offset = current_.offset + recv_at;
+  l.send = current_.host + send_at;
+  l.recv = current_.host + recv_at;
+  return l;
+}
+
+void ClientStaging::release(cu::Stream stream) {
+  const gpu::CudaDriver& cu = *cu_;
+  cu.check(cu.cuEventRecord(current_.used, stream), "cuEventRecord (host staging)");
+}
+
+}  // namespace collectived::client

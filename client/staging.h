@@ -1,0 +1,68 @@
+// Host memory through which the client library stages a communicator's GPU
+// collectives across nodes (GpuSync.clientStaged): the caller's stream copies
+// the input into it and marks it ready, the daemon runs the exchange between
+// nodes on it, and the stream copies the output back once the daemon's done
+// word is written. No daemon stream and no hand-off between processes' streams
+// stand between the rank's producer and the exchange.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "engine/gpu/cuda_driver.h"
+
+typedef struct collective_client collective_client_t;
+
+namespace collectived::client {
+
+/// One communicator's staging: a block of host memory shared with the daemon
+/// (collective_host_alloc: a sealed memfd both map) and registered with CUDA,
+/// replaced by a larger one when an operation needs more (the old one is kept
+/// until the communicator goes: the GPU may still copy out of it). Used under
+/// the client's gpu_mutex.
+class ClientStaging {
+ public:
+  ClientStaging(collective_client_t* client, std::shared_ptr<const gpu::CudaDriver> cu);
+  /// Waits for the GPU's last copies out of the blocks, then frees them.
+  ~ClientStaging();
+  ClientStaging(const ClientStaging&) = delete;
+  ClientStaging& operator=(const ClientStaging&) = delete;
+
+  /// Host buffers of one operation, in the daemon's registration `handle`.
+  struct Lease {
+    std::uint64_t handle = 0;
+    std::uint64_t send_offset = 0, recv_offset = 0;
+    std::byte* send = nullptr;
+    std::byte* recv = nullptr;
+  };
+  /// Buffers for `send_bytes` of input and `recv_bytes` of output (one
+  /// buffer for both where `one`: the host collective then runs in place).
+  /// Makes `stream` wait until the previous operation on the block has
+  /// copied its output out (stream-ordered: the CPU never waits). The
+  /// stream's context is current.
+  Lease take(std::uint64_t send_bytes, std::uint64_t recv_bytes, bool one, gpu::cu::Stream stream);
+  /// The operation's copies out are enqueued on `stream`: the block may be
+  /// reused after them.
+  void release(gpu::cu::Stream stream);
+
+ private:
+  struct Block {
+    std::byte* host = nullptr;
+    std::uint64_t bytes = 0;
+    std::uint64_t handle = 0, offset = 0;  // the daemon's registration of `host`
+    gpu::cu::Event used = nullptr;         // recorded after the last operation's copies out
+    gpu::cu::Context ctx = nullptr;
+    bool registered = false;               // with CUDA
+  };
+  void allocate(std::uint64_t bytes, Block& b);
+  void free_block(Block& b) noexcept;
+
+  collective_client_t* client_;
+  std::shared_ptr<const gpu::CudaDriver> cu_;
+  Block current_;
+  std::vector<Block> retired_;
+};
+
+}  // namespace collectived::client
