@@ -113,6 +113,9 @@ CommGpu& comm_gpu(collective_comm_t* comm);
 std::uint64_t comm_handle(const collective_comm_t* comm);
 /// Nodes the communicator's ranks live on (0: the daemon did not say).
 int comm_nodes(const collective_comm_t* comm);
+/// This rank's node among them, and the lowest rank of the next node.
+int comm_node(const collective_comm_t* comm);
+int comm_next_node_first_rank(const collective_comm_t* comm);
 
 /// A request for an operation the client runs itself: collective_wait and
 /// collective_test poll `done` instead of waiting for a daemon's reply.

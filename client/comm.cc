@@ -40,6 +40,8 @@ struct collective_comm {
   int rank = 0;
   int nranks = 0;
   int nodes = 0;  // 0: unknown (an older daemon)
+  int node = 0;
+  int next_node_first_rank = 0;
   std::string name;
   std::mutex group_mutex;
   bool in_group = false;
@@ -251,6 +253,8 @@ collective_client_t* comm_client(collective_comm_t* comm) { return comm->client;
 CommGpu& comm_gpu(collective_comm_t* comm) { return comm->gpu; }
 std::uint64_t comm_handle(const collective_comm_t* comm) { return comm->handle; }
 int comm_nodes(const collective_comm_t* comm) { return comm->nodes; }
+int comm_node(const collective_comm_t* comm) { return comm->node; }
+int comm_next_node_first_rank(const collective_comm_t* comm) { return comm->next_node_first_rank; }
 CommGpu::CommGpu() = default;
 CommGpu::~CommGpu() = default;
 
@@ -385,6 +389,8 @@ collective_result_t collective_comm_init_rank(collective_client_t* client,
     c->rank = static_cast<int>(ready.getRank());
     c->nranks = static_cast<int>(ready.getNranks());
     c->nodes = static_cast<int>(ready.getNodes());
+    c->node = static_cast<int>(ready.getNode());
+    c->next_node_first_rank = static_cast<int>(ready.getNextNodeFirstRank());
     c->name = ready.getName().cStr();
     *comm = c.release();
   });
@@ -412,6 +418,8 @@ collective_result_t collective_comm_split(collective_comm_t* comm, int color, in
     c->rank = static_cast<int>(ready.getRank());
     c->nranks = static_cast<int>(ready.getNranks());
     c->nodes = static_cast<int>(ready.getNodes());
+    c->node = static_cast<int>(ready.getNode());
+    c->next_node_first_rank = static_cast<int>(ready.getNextNodeFirstRank());
     c->name = ready.getName().cStr();
     *newcomm = c.release();
   });

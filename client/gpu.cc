@@ -316,9 +316,11 @@ class StreamSubmit final : public GpuSubmit {
  public:
   /// `staged`: the communicator's staging, where this client stages the
   /// operation itself (across nodes); null: the daemon reads the GPU buffers.
+  /// `first_byte`: staged, the input byte the daemon's exchange reads first
+  /// (its piece is copied first).
   StreamSubmit(collective_client_t* client, std::shared_ptr<GpuState> s, cu::Stream stream,
-               CommGpu* staged = nullptr)
-      : client_(client), s_(std::move(s)), stream_(stream), staged_(staged) {}
+               CommGpu* staged = nullptr, std::uint64_t first_byte = 0)
+      : client_(client), s_(std::move(s)), stream_(stream), staged_(staged), first_byte_(first_byte) {}
 
   void fill(wire::Collective::Builder c, const void* send, std::uint64_t send_bytes,
             const void* recv, std::uint64_t recv_bytes) override {
@@ -366,23 +368,34 @@ class StreamSubmit final : public GpuSubmit {
   /// Takes a flag word and ticket, marks the input ready on the caller's
   /// stream (the context is current, gpu_mutex held).
   void fill_sync(wire::GpuSync::Builder g, std::uint64_t send_id, std::uint64_t recv_id) {
-    GpuState& s = *s_;
-    const CudaDriver& cu = *s.cu;
-    // A flag word whose previous operation is done (4096 in flight at most).
-    word_ = static_cast<std::uint32_t>(s.next_word++ % kFlagWords);
-    while (!s.reached(word_, s.tickets[word_])) sched_yield();
-    {
-      std::lock_guard tl(s.tickets_mu);
-      ticket_ = ++s.tickets[word_];
-    }
+    take_word(1);
     // The input is ready when the caller's stream gets here: it writes the
     // ticket to this operation's ready word, which the daemon's stream waits
     // for. (Not an interprocess event: a stream waiting on the event of a
     // client that dies never goes on; a ready word the daemon can write
     // itself when the client is gone.)
-    cu.check(cu.cuStreamWriteValue32(stream_, s.flags_dev + 4 * (kFlagWords + word_), ticket_,
+    mark_ready(ticket_);
+    set_sync(g, send_id, recv_id);
+  }
+
+  /// Takes a flag word whose previous operation is done (4096 in flight at
+  /// most) and `tickets` tickets of it: the operation's is the last, the
+  /// ones before mark pieces of its input.
+  void take_word(std::uint32_t tickets) {
+    GpuState& s = *s_;
+    word_ = static_cast<std::uint32_t>(s.next_word++ % kFlagWords);
+    while (!s.reached(word_, s.tickets[word_])) sched_yield();
+    std::lock_guard tl(s.tickets_mu);
+    ticket_ = s.tickets[word_] += tickets;
+  }
+  /// The caller's stream writes `value` to the operation's ready word.
+  void mark_ready(std::uint32_t value) {
+    const CudaDriver& cu = *s_->cu;
+    cu.check(cu.cuStreamWriteValue32(stream_, s_->flags_dev + 4 * (kFlagWords + word_), value,
                                      cu::kStreamWriteValueDefault),
              "cuStreamWriteValue32 (marking the input ready)");
+  }
+  void set_sync(wire::GpuSync::Builder g, std::uint64_t send_id, std::uint64_t recv_id) {
     g.setFlagWord(word_);
     g.setReadyWord(kFlagWords + word_);
     g.setTicket(ticket_);
@@ -441,10 +454,27 @@ class StreamSubmit final : public GpuSubmit {
     const auto kind = c.asReader().getKind();
     const bool one = (kind == wire::OpKind::ALL_REDUCE || kind == wire::OpKind::BROADCAST) &&
                      (send_bytes == 0 || send_bytes == recv_bytes);
+    // The input in pieces, each marked ready on its own, so that the
+    // daemon's exchange starts with the first (as the daemon cuts what it
+    // stages: an eighth, at least 512 KiB, in whole 64 KiB).
+    constexpr std::uint64_t kMinPiece = std::uint64_t{512} << 10, kPieceAlign = std::uint64_t{64} << 10;
+    std::uint64_t piece = send_bytes;
+    std::uint32_t pieces = 1, first = 0;
+    if (send_bytes > kMinPiece) {
+      piece = std::max(kMinPiece, (send_bytes / 8 + kPieceAlign - 1) / kPieceAlign * kPieceAlign);
+      pieces = static_cast<std::uint32_t>((send_bytes + piece - 1) / piece);
+      first = static_cast<std::uint32_t>(std::min<std::uint64_t>(first_byte_ / piece, pieces - 1));
+    }
     lease_ = staged_->staging->take(send_bytes, recv_bytes, one, stream_);
-    if (send_bytes > 0) {
-      cu.check(cu.cuMemcpyDtoHAsync(lease_.send, reinterpret_cast<cu::DevicePtr>(send), send_bytes, stream_),
+    take_word(pieces);
+    for (std::uint32_t q = 0; q < pieces && send_bytes > 0; ++q) {
+      const std::uint64_t at = ((first + q) % pieces) * piece, len = std::min(piece, send_bytes - at);
+      cu.check(cu.cuMemcpyDtoHAsync(lease_.send + at, reinterpret_cast<cu::DevicePtr>(send) + at, len, stream_),
                "copy of the input to host staging (cuMemcpyDtoHAsync)");
+      mark_ready(ticket_ - (pieces - 1) + q);
+    }
+    if (send_bytes == 0) mark_ready(ticket_);
+    if (send_bytes > 0) {
       c.getSend().setHandle(lease_.handle);
       c.getSend().setOffset(lease_.send_offset);
     }
@@ -455,14 +485,18 @@ class StreamSubmit final : public GpuSubmit {
     recv_ = recv;
     recv_bytes_ = recv_bytes;
     auto g = c.initGpu();
-    fill_sync(g, 0, 0);
+    set_sync(g, 0, 0);
     g.setClientStaged(true);
+    g.setReadyPieces(pieces);
+    g.setPieceBytes(piece);
+    g.setPieceFirst(first);
   }
 
   collective_client_t* client_;
   std::shared_ptr<GpuState> s_;
   cu::Stream stream_;
   CommGpu* staged_ = nullptr;
+  std::uint64_t first_byte_ = 0;
   ClientStaging::Lease lease_;
   const void* recv_ = nullptr;
   std::uint64_t recv_bytes_ = 0;
@@ -566,10 +600,21 @@ collective_result_t stream_op(collective_comm_t* comm, wire::OpKind kind, const 
   // Across nodes, up to the daemon's limit: staged here, on the caller's
   // stream (the same choice on every rank of this node's daemon is not
   // needed: each rank's staging is its own).
-  const std::uint64_t one = count * collective_dtype_size(dtype);
-  const bool staged = comm_nodes(comm) > 1 && count > 0 && one != 0 && one <= s->client_stage_max;
+  const std::uint64_t es = collective_dtype_size(dtype), one = count * es;
+  const int nodes = comm_nodes(comm);
+  const bool staged = nodes > 1 && count > 0 && one != 0 && one <= s->client_stage_max;
+  // Where the daemon's exchange starts reading the input (its pairwise
+  // all-reduce and reduce-scatter send the next node's segment first): that
+  // piece is copied first.
+  std::uint64_t first_byte = 0;
+  if (staged && kind == wire::OpKind::ALL_REDUCE) {
+    const auto j = static_cast<std::uint64_t>((comm_node(comm) + 1) % nodes), n = static_cast<std::uint64_t>(nodes);
+    first_byte = (count / n * j + std::min<std::uint64_t>(j, count % n)) * es;
+  } else if (staged && kind == wire::OpKind::REDUCE_SCATTER) {
+    first_byte = static_cast<std::uint64_t>(comm_next_node_first_rank(comm)) * one;
+  }
   StreamSubmit submit(comm_client(comm), s, static_cast<cu::Stream>(stream),
-                      staged ? &comm_gpu(comm) : nullptr);
+                      staged ? &comm_gpu(comm) : nullptr, first_byte);
   return submit_gpu_collective(comm, kind, send, send_bytes, recv, recv_bytes, count, dtype, redop,
                                root, name, request, submit);
 }

@@ -24,7 +24,7 @@ ClientStaging::ClientStaging(collective_client_t* client, std::shared_ptr<const 
     : client_(client), cu_(std::move(cu)) {}
 
 ClientStaging::~ClientStaging() {
-  free_block(current_);
+  for (Block& b : blocks_) free_block(b);
   for (Block& b : retired_) free_block(b);
 }
 
@@ -81,29 +81,38 @@ ClientStaging::Lease ClientStaging::take(std::uint64_t send_bytes, std::uint64_t
   const std::uint64_t send_at = 0;
   const std::uint64_t recv_at = one ? 0 : round_up(send_bytes, kAlign);
   const std::uint64_t need = std::max<std::uint64_t>(1, one ? std::max(send_bytes, recv_bytes) : recv_at + recv_bytes);
-  if (current_.bytes < need) {
+  // The copies out of the previous operations come first: of this block's
+  // (its memory is reused) and of the other's (see the class comment).
+  // Nothing to wait for on one stream, where they are before anyway.
+  for (Block& b : blocks_) {
+    if (b.host != nullptr && b.recorded) {
+      cu.check(cu.cuStreamWaitEvent(stream, b.used, 0), "cuStreamWaitEvent (host staging)");
+    }
+  }
+  Block& cur = blocks_[turn_];
+  if (cur.bytes < need) {
     Block b;
-    allocate(std::max(round_up(need, kUnit), 2 * current_.bytes), b);
+    allocate(std::max(round_up(need, kUnit), 2 * cur.bytes), b);
     // The old block's last copies may still be queued: it goes with the
     // communicator.
-    if (current_.host != nullptr) retired_.push_back(current_);
-    current_ = b;
-  } else {
-    // The previous operation's copy out of this block comes first.
-    cu.check(cu.cuStreamWaitEvent(stream, current_.used, 0), "cuStreamWaitEvent (host staging reused)");
+    if (cur.host != nullptr) retired_.push_back(cur);
+    cur = b;
   }
   Lease l;
-  l.handle = current_.handle;
-  l.send_offset = current_.offset + send_at;
-  l.recv_offset = current_.offset + recv_at;
-  l.send = current_.host + send_at;
-  l.recv = current_.host + recv_at;
+  l.handle = cur.handle;
+  l.send_offset = cur.offset + send_at;
+  l.recv_offset = cur.offset + recv_at;
+  l.send = cur.host + send_at;
+  l.recv = cur.host + recv_at;
   return l;
 }
 
 void ClientStaging::release(cu::Stream stream) {
   const gpu::CudaDriver& cu = *cu_;
-  cu.check(cu.cuEventRecord(current_.used, stream), "cuEventRecord (host staging)");
+  Block& cur = blocks_[turn_];
+  cu.check(cu.cuEventRecord(cur.used, stream), "cuEventRecord (host staging)");
+  cur.recorded = true;
+  turn_ ^= 1;
 }
 
 }  // namespace collectived::client

@@ -17,11 +17,20 @@ typedef struct collective_client collective_client_t;
 
 namespace collectived::client {
 
-/// One communicator's staging: a block of host memory shared with the daemon
-/// (collective_host_alloc: a sealed memfd both map) and registered with CUDA,
-/// replaced by a larger one when an operation needs more (the old one is kept
-/// until the communicator goes: the GPU may still copy out of it). Used under
-/// the client's gpu_mutex.
+/// One communicator's staging: two blocks of host memory shared with the
+/// daemon (collective_host_alloc: a sealed memfd both map) and registered
+/// with CUDA, taken in turns by consecutive operations. A block is replaced
+/// by a larger one when an operation needs more (the old one is kept until
+/// the communicator goes: the GPU may still copy out of it). Used under the
+/// client's gpu_mutex.
+///
+/// Why two: the daemon may start an operation's exchange (and receive into
+/// its output staging) before the caller's stream reached it, once the
+/// communicator's previous operation ended there, that is once the previous
+/// operation's input was all in. Every operation's stream work waits for the
+/// copies out of the operation before it (both blocks' events), so the
+/// previous operation's input being in means the stream copied out of the
+/// block before it, which is the block this operation takes.
 class ClientStaging {
  public:
   ClientStaging(collective_client_t* client, std::shared_ptr<const gpu::CudaDriver> cu);
@@ -39,9 +48,9 @@ class ClientStaging {
   };
   /// Buffers for `send_bytes` of input and `recv_bytes` of output (one
   /// buffer for both where `one`: the host collective then runs in place).
-  /// Makes `stream` wait until the previous operation on the block has
-  /// copied its output out (stream-ordered: the CPU never waits). The
-  /// stream's context is current.
+  /// Makes `stream` wait until the previous operations have copied their
+  /// outputs out (stream-ordered: the CPU never waits). The stream's context
+  /// is current.
   Lease take(std::uint64_t send_bytes, std::uint64_t recv_bytes, bool one, gpu::cu::Stream stream);
   /// The operation's copies out are enqueued on `stream`: the block may be
   /// reused after them.
@@ -55,13 +64,15 @@ class ClientStaging {
     gpu::cu::Event used = nullptr;         // recorded after the last operation's copies out
     gpu::cu::Context ctx = nullptr;
     bool registered = false;               // with CUDA
+    bool recorded = false;                 // `used` was recorded
   };
   void allocate(std::uint64_t bytes, Block& b);
   void free_block(Block& b) noexcept;
 
   collective_client_t* client_;
   std::shared_ptr<const gpu::CudaDriver> cu_;
-  Block current_;
+  Block blocks_[2];
+  int turn_ = 0;  // the block the next operation takes
   std::vector<Block> retired_;
 };
 

@@ -121,6 +121,8 @@ void ClientSession::deliver(std::uint64_t id, engine::Result result) {
     r.setNranks(result.comm->nranks);
     r.setName(result.comm->name.c_str());
     r.setNodes(result.comm->nodes);
+    r.setNode(result.comm->node);
+    r.setNextNodeFirstRank(result.comm->next_node_first_rank);
   } else {
     m.initCompleted().setSeq(result.seq);
   }

@@ -23,6 +23,9 @@ engine::gpu::GpuSyncArgs sync_args(wire::GpuSync::Reader req) {
   a.send_buffer_id = req.getSendBufferId();
   a.recv_buffer_id = req.getRecvBufferId();
   a.client_staged = req.getClientStaged();
+  a.ready_pieces = std::max<std::uint32_t>(1, req.getReadyPieces());
+  a.piece_bytes = req.getPieceBytes();
+  a.piece_first = req.getPieceFirst();
   return a;
 }
 

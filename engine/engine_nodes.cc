@@ -766,6 +766,22 @@ void Engine::Impl::send_slot_failed(Comm& comm, std::uint64_t seq, Code code,
 }
 
 namespace {
+/// What a client learns of the communicator's nodes (CommReady): their
+/// number, its own, and the first rank of the next one.
+void set_layout(CommInfo& info, const Comm& comm) {
+  if (!comm.spans_nodes()) return;
+  const int nodes = static_cast<int>(comm.node_address.size());
+  info.nodes = static_cast<std::uint32_t>(nodes);
+  info.node = static_cast<std::uint32_t>(comm.my_node);
+  const int next = (comm.my_node + 1) % nodes;
+  for (std::size_t r = 0; r < comm.node_of_rank.size(); ++r) {
+    if (comm.node_of_rank[r] == next) {
+      info.next_node_first_rank = static_cast<std::uint32_t>(r);
+      break;
+    }
+  }
+}
+
 void send_join_reply(Engine::Impl& I, const std::string& to, const std::string& key, int rank,
                      Code code, const std::string& why) {
   capnp::MallocMessageBuilder mb(256);
@@ -943,8 +959,8 @@ std::shared_ptr<Comm> Engine::Impl::make_spanning_comm(
   for (const auto& [r, j] : local) {
     Result res;
     res.comm = CommInfo{comm->members[r].handle, static_cast<std::uint32_t>(r),
-                        static_cast<std::uint32_t>(comm->nranks), comm->name,
-                        static_cast<std::uint32_t>(std::max<std::size_t>(1, comm->node_address.size()))};
+                        static_cast<std::uint32_t>(comm->nranks), comm->name};
+    set_layout(*res.comm, *comm);
     out.push_back({j.client.sink, j.request, std::move(res)});
   }
   log.info("comm_created", {{"comm", comm->name},
@@ -1230,8 +1246,8 @@ void Engine::Impl::make_split_children(const std::shared_ptr<Comm>& cp, std::uin
         handles[m.handle] = {child, i};
         ++child->local_count;
         info[ranks[i]] = CommInfo{m.handle, static_cast<std::uint32_t>(i),
-                                  static_cast<std::uint32_t>(child->nranks), child->name,
-                                  static_cast<std::uint32_t>(std::max<std::size_t>(1, child->node_address.size()))};
+                                  static_cast<std::uint32_t>(child->nranks), child->name};
+        set_layout(info[ranks[i]], *child);
       }
       child->members.push_back(std::move(m));
     }

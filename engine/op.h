@@ -81,6 +81,10 @@ struct CommInfo {
   std::uint32_t nranks = 0;
   std::string name;
   std::uint32_t nodes = 1;  ///< nodes its ranks live on
+  std::uint32_t node = 0;   ///< this node's index among them
+  /// The lowest rank on node (node + 1) % nodes: whose block of a
+  /// reduce-scatter's input this node sends first (first_input_read).
+  std::uint32_t next_node_first_rank = 0;
 };
 
 /// The answer to one request.

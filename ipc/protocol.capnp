@@ -163,6 +163,8 @@ struct CommReady {
   nranks @2 :UInt32;
   name @3 :Text;            # short printable id used in every message about it
   nodes @4 :UInt32;         # nodes its ranks live on (0 from an older daemon: unknown)
+  node @5 :UInt32;          # this rank's node among them
+  nextNodeFirstRank @6 :UInt32;  # the lowest rank of node (node + 1) % nodes
 }
 
 # Collective over `comm`: ranks with equal color form a new communicator.
@@ -429,6 +431,10 @@ struct GpuSync {
                             # its own (send/recv are host registrations) before its ready word,
                             # and copies the output back after its done word; the daemon runs
                             # the host collective on those buffers between the two words
+  readyPieces @8 :UInt32;   # clientStaged: the input was copied in this many pieces (0: 1) of
+  pieceBytes @9 :UInt64;    # pieceBytes; the stream wrote ticket - (readyPieces - 1) + q to
+                            # readyWord once piece q was in
+  pieceFirst @10 :UInt32;   # the pieces were copied from this one on, wrapping around
 }
 
 struct GpuStatus {

@@ -70,6 +70,12 @@ struct GpuSyncArgs {
   /// after the done word; the executor only waits for the one and writes the
   /// other, from the CPU.
   bool client_staged = false;
+  /// Staged by the client in pieces: its stream writes ticket - (pieces - 1)
+  /// + q to the ready word once piece q (bytes [q * piece_bytes, ...) of the
+  /// input) is in host memory. 1: one piece.
+  std::uint32_t ready_pieces = 1;
+  std::uint64_t piece_bytes = 0;
+  std::uint32_t piece_first = 0;  ///< copied from this piece on, wrapping around
   std::uint64_t send_buffer_id = 0;
   std::uint64_t recv_buffer_id = 0;
 };

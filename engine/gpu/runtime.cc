@@ -48,6 +48,8 @@ void check_rt(cudaError_t e, const std::string& what) {
 }
 
 constexpr int kStreamsPerDevice = 4;
+// An input staged by its client arrives in at most this many pieces.
+constexpr std::uint32_t kMaxClientPieces = 64;
 
 /// Where GPU `dev` addresses the bytes of span `sp` (its registration mapped
 /// on that GPU, peer mappings included); null where the span has no memory.
@@ -331,11 +333,19 @@ class Sync final : public RankSync {
     }
   }
   /// The client's stream has marked its input ready (ready words only).
-  bool ready_reached() const {
-    if (event) return true;  // not observable from the CPU
+  bool ready_reached() const { return event || ready_reached(ticket); }
+  /// The ready word reached `value` (a piece's: piece_value).
+  bool ready_reached(std::uint32_t value) const {
     const std::uint32_t cur = flags->word(ready_word)->load(std::memory_order_acquire);
-    return static_cast<std::int32_t>(cur - ticket) >= 0;
+    return static_cast<std::int32_t>(cur - value) >= 0;
   }
+  /// Staged by the client in `pieces` pieces of `piece_bytes`: its stream
+  /// writes this value once piece q is in its host staging (the last piece's
+  /// is the ticket).
+  std::uint32_t piece_value(std::uint32_t q) const { return ticket - (pieces - 1) + q; }
+  std::uint32_t pieces = 1;
+  std::uint64_t piece_bytes = 0;
+  std::uint32_t piece_first = 0;  // copied from this piece on, wrapping around
   /// The client died, or the deadline passed: let the daemon's streams past its input.
   void release_ready() const {
     if (!event) advance(ready_word);
@@ -386,9 +396,10 @@ struct Pending {
   Clock::time_point deadline = Clock::time_point::max();
   bool answered = false;  // done() ran (deadline): wait for the GPU only to recycle
   bool releases_done = true;  // the op writes the ranks' done words (not stage_in)
-  /// Ranks staged by their client: done also waits for their ready words,
-  /// which the CPU reads (held alive by `syncs`).
-  std::vector<const Sync*> ready_words;
+  /// Ranks staged by their client: done also waits for their ready words to
+  /// reach these values (a piece's, or the last), which the CPU reads (the
+  /// syncs are held alive by `syncs`).
+  std::vector<std::pair<const Sync*, std::uint32_t>> ready_words;
 };
 
 /// A staged operation (across nodes): pinned host buffers per local rank.
@@ -558,6 +569,17 @@ class CudaExecutor final : public GpuExecutor {
     sync->client_staged = a.client_staged;
     if (a.client_staged && !a.event_handle.empty()) {
       throw Error(Code::invalid_argument, "an operation staged by the client takes a ready word, not an event");
+    }
+    if (a.client_staged && a.ready_pieces > 1) {
+      if (a.ready_pieces > kMaxClientPieces || a.piece_bytes == 0 || a.piece_first >= a.ready_pieces) {
+        throw Error(Code::invalid_argument, "an input staged by the client in " + std::to_string(a.ready_pieces) +
+                                                " pieces of " + std::to_string(a.piece_bytes) + " bytes from piece " +
+                                                std::to_string(a.piece_first) + " (1 to " +
+                                                std::to_string(kMaxClientPieces) + " pieces)");
+      }
+      sync->pieces = a.ready_pieces;
+      sync->piece_bytes = a.piece_bytes;
+      sync->piece_first = a.piece_first;
     }
     if (a.event_handle.empty()) {
       // The client's stream marks its input ready on a flag word.
@@ -829,6 +851,13 @@ class CudaExecutor final : public GpuExecutor {
         // The client's own host buffers, filled by its stream before its
         // ready word, read back after its done word: the host collective
         // runs on them as they are.
+        const auto* cs = static_cast<const Sync*>(op.sync[r].get());
+        const std::uint64_t in = op.send[r].bytes;
+        if (cs->pieces > 1 && (in == 0 || (in + cs->piece_bytes - 1) / cs->piece_bytes != cs->pieces)) {
+          throw Error(Code::invalid_argument,
+                      op.who[r] + " staged an input of " + std::to_string(in) + " bytes in " +
+                          std::to_string(cs->pieces) + " pieces of " + std::to_string(cs->piece_bytes) + " bytes");
+        }
         st->send[r] = Span{nullptr, op.send[r].ptr, op.send[r].bytes};
         st->recv[r] = Span{nullptr, op.recv[r].ptr, op.recv[r].bytes};
         by_client = true;
@@ -862,9 +891,60 @@ class CudaExecutor final : public GpuExecutor {
     };
     std::uint64_t piece = 0, in_bytes = 0;
     std::uint32_t pieces = 1;
-    // Not where a client stages its rank: its host buffers are its to read
-    // (the previous operation's output, on its stream) until its ready word,
-    // and a host collective started before that might receive into them.
+    // Ranks staged by their clients: the pieces are the clients' (each
+    // piece's ready value, in order from the first), where every local rank
+    // is staged by its client and those with an input cut it alike. The
+    // host collective may then start at once and receive into a rank's host
+    // staging before its stream reached the operation: its client alternates
+    // between two staging buffers, and this communicator's previous
+    // operation, which ended before this one starts here, had the other
+    // one's ready word, written after the stream copied out of this one
+    // (client/staging.h).
+    std::vector<std::vector<std::pair<const Sync*, std::uint32_t>>> client_pieces;
+    if (by_client && op.in_piece_bytes != 0 && !op.hold) {
+      bool all = true, uniform = true;
+      std::uint32_t k = 0, first = 0;
+      std::uint64_t pb = 0;
+      for (int r = 0; r < n; ++r) {
+        const auto* cs = static_cast<const Sync*>(op.sync[r].get());
+        if (cs == nullptr) continue;
+        all = all && cs->client_staged;
+        if (!copies_input(r)) continue;
+        if (in_bytes == 0) {
+          in_bytes = op.send[r].bytes;
+          k = cs->pieces;
+          pb = cs->pieces > 1 ? cs->piece_bytes : in_bytes;
+          first = cs->piece_first;
+        }
+        uniform = uniform && op.send[r].bytes == in_bytes && cs->pieces == k &&
+                  (cs->pieces > 1 ? cs->piece_bytes : in_bytes) == pb && cs->piece_first == first;
+      }
+      const bool waits_only = op.kind == OpKind::broadcast && in_bytes == 0 && op.count != 0;
+      if (all && uniform && (in_bytes != 0 || waits_only)) {
+        if (waits_only) {
+          k = 1;
+          pb = op.in_piece_bytes;
+        }
+        st->in = std::make_shared<InPieces>();
+        st->in->piece = pb;
+        st->in->count = k;
+        st->in->first = waits_only ? 0 : first;
+        client_pieces.resize(k);
+        for (int r = 0; r < n; ++r) {
+          const auto* cs = static_cast<const Sync*>(op.sync[r].get());
+          if (cs == nullptr) continue;
+          for (std::uint32_t q = 0; q < k; ++q) {
+            // A rank without an input (a broadcast's) has one value: its last.
+            client_pieces[q].emplace_back(cs, copies_input(r) ? cs->piece_value(q) : cs->ticket);
+          }
+        }
+        pieces = k;
+        p.done = [in = st->in, ready = std::move(p.done)](Code code, std::string why) {
+          in->arrived(0, code, why);
+          ready(code, std::move(why));
+        };
+      }
+    }
     if (op.in_piece_bytes != 0 && !op.hold && !by_client) {
       bool uniform = true;
       for (int r = 0; r < n; ++r) {
@@ -913,7 +993,7 @@ class CudaExecutor final : public GpuExecutor {
       auto* s = static_cast<Sync*>(op.sync[r].get());
       if (s == nullptr) continue;  // a rank on another node
       if (s->client_staged) {
-        p.ready_words.push_back(s);  // the completion thread reads it
+        if (client_pieces.empty()) p.ready_words.emplace_back(s, s->ticket);  // the completion thread reads it
         continue;
       }
       const Span& gs = op.send[r];
@@ -979,6 +1059,10 @@ class CudaExecutor final : public GpuExecutor {
     const Clock::time_point deadline = op.deadline;
     st->op = std::move(op);
     p.keep = st;
+    if (!client_pieces.empty()) {
+      p.ready_words = std::move(client_pieces[0]);
+      for (std::uint32_t k = 0; k + 1 < pieces; ++k) later[k].ready_words = std::move(client_pieces[k + 1]);
+    }
     for (std::uint32_t k = 0; k + 1 < pieces; ++k) {
       Pending& q = later[k];
       q.deadline = deadline;
@@ -1729,7 +1813,7 @@ class CudaExecutor final : public GpuExecutor {
       bool due = stopping;
       for (Pending* p : snapshot) {
         bool done = std::all_of(p->ready_words.begin(), p->ready_words.end(),
-                                [](const Sync* s) { return s->ready_reached(); });
+                                [](const auto& sv) { return sv.first->ready_reached(sv.second); });
         for (auto& [dev, e] : p->tails) {
           if (!done) break;
           const cudaError_t r = cudaEventQuery(e);
