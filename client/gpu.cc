@@ -319,8 +319,9 @@ class StreamSubmit final : public GpuSubmit {
   /// `first_byte`: staged, the input byte the daemon's exchange reads first
   /// (its piece is copied first).
   StreamSubmit(collective_client_t* client, std::shared_ptr<GpuState> s, cu::Stream stream,
-               CommGpu* staged = nullptr, std::uint64_t first_byte = 0)
-      : client_(client), s_(std::move(s)), stream_(stream), staged_(staged), first_byte_(first_byte) {}
+               CommGpu* staged = nullptr, std::uint64_t first_byte = 0, int rank = 0)
+      : client_(client), s_(std::move(s)), stream_(stream), staged_(staged), first_byte_(first_byte),
+        rank_(rank) {}
 
   void fill(wire::Collective::Builder c, const void* send, std::uint64_t send_bytes,
             const void* recv, std::uint64_t recv_bytes) override {
@@ -406,14 +407,23 @@ class StreamSubmit final : public GpuSubmit {
   void sent() override {
     const CudaDriver& cu = *s_->cu;
     ScopedContext scope(cu, ctx_);
-    cu::Result r = cu.cuStreamWaitValue32(stream_, s_->flags_dev + 4 * word_, ticket_,
-                                          cu::kStreamWaitValueGeq);
+    const cu::DevicePtr done = s_->flags_dev + 4 * word_;
     std::string what = "cuStreamWaitValue32 (the caller's stream waiting for the daemon)";
-    if (r == cu::kSuccess && staged_ != nullptr) {
-      // The daemon wrote the output into the staging before the done word.
-      if (recv_bytes_ != 0) {
-        r = cu.cuMemcpyHtoDAsync(reinterpret_cast<cu::DevicePtr>(recv_), lease_.recv, recv_bytes_, stream_);
-        what = "copy of the output from host staging (cuMemcpyHtoDAsync)";
+    cu::Result r = cu::kSuccess;
+    if (staged_ == nullptr) {
+      r = cu.cuStreamWaitValue32(stream_, done, ticket_, cu::kStreamWaitValueGeq);
+    } else {
+      // The daemon wrote each piece of the output into the staging before
+      // the done word reached its value (all of it by the ticket): each is
+      // copied back as soon as it is final, while the exchange goes on.
+      const std::uint32_t k = out_pieces_;
+      for (std::uint32_t q = 0; q < k && r == cu::kSuccess; ++q) {
+        r = cu.cuStreamWaitValue32(stream_, done, ticket_ - (k - 1) + q, cu::kStreamWaitValueGeq);
+        const std::uint64_t at = q * out_piece_, len = std::min(out_piece_, copy_bytes_ - std::min(at, copy_bytes_));
+        if (r == cu::kSuccess && len != 0) {
+          r = cu.cuMemcpyHtoDAsync(reinterpret_cast<cu::DevicePtr>(recv_) + at, lease_.recv + at, len, stream_);
+          what = "copy of the output from host staging (cuMemcpyHtoDAsync)";
+        }
       }
       if (r == cu::kSuccess) {
         try {
@@ -454,6 +464,22 @@ class StreamSubmit final : public GpuSubmit {
     const auto kind = c.asReader().getKind();
     const bool one = (kind == wire::OpKind::ALL_REDUCE || kind == wire::OpKind::BROADCAST) &&
                      (send_bytes == 0 || send_bytes == recv_bytes);
+    {
+      // The daemon sees only the staging: the layout check it makes of
+      // buffers it maps (engine_impl.h, check_buffers) is made here.
+      const auto sp = reinterpret_cast<std::uintptr_t>(send), rp = reinterpret_cast<std::uintptr_t>(recv);
+      if (send_bytes > 0 && recv_bytes > 0 && sp < rp + recv_bytes && rp < sp + send_bytes) {
+        const std::uint64_t per = c.asReader().getCount() * collective_dtype_size(
+                                      static_cast<collective_dtype_t>(c.asReader().getDtype()));
+        const auto rank = static_cast<std::uint64_t>(rank_);
+        const bool in_place = kind == wire::OpKind::ALL_GATHER       ? sp == rp + rank * per
+                              : kind == wire::OpKind::REDUCE_SCATTER ? rp == sp + rank * per
+                                                                     : sp == rp;
+        if (!in_place) {
+          throw Error(Code::invalid_argument, "send and recv buffers overlap but are not the in-place layout");
+        }
+      }
+    }
     // The input in pieces, each marked ready on its own, so that the
     // daemon's exchange starts with the first (as the daemon cuts what it
     // stages: an eighth, at least 512 KiB, in whole 64 KiB).
@@ -466,14 +492,6 @@ class StreamSubmit final : public GpuSubmit {
       first = static_cast<std::uint32_t>(std::min<std::uint64_t>(first_byte_ / piece, pieces - 1));
     }
     lease_ = staged_->staging->take(send_bytes, recv_bytes, one, stream_);
-    take_word(pieces);
-    for (std::uint32_t q = 0; q < pieces && send_bytes > 0; ++q) {
-      const std::uint64_t at = ((first + q) % pieces) * piece, len = std::min(piece, send_bytes - at);
-      cu.check(cu.cuMemcpyDtoHAsync(lease_.send + at, reinterpret_cast<cu::DevicePtr>(send) + at, len, stream_),
-               "copy of the input to host staging (cuMemcpyDtoHAsync)");
-      mark_ready(ticket_ - (pieces - 1) + q);
-    }
-    if (send_bytes == 0) mark_ready(ticket_);
     if (send_bytes > 0) {
       c.getSend().setHandle(lease_.handle);
       c.getSend().setOffset(lease_.send_offset);
@@ -483,13 +501,38 @@ class StreamSubmit final : public GpuSubmit {
       c.getRecv().setOffset(lease_.recv_offset);
     }
     recv_ = recv;
-    recv_bytes_ = recv_bytes;
+    copy_bytes_ = recv_bytes;
+    out_piece_ = std::max<std::uint64_t>(recv_bytes, 1);
+    out_pieces_ = 1;
+    if (kind == wire::OpKind::BROADCAST && send_bytes != 0) {
+      // The root's output is its input: copied on the GPU (nothing where
+      // they are one buffer), not back from the host.
+      copy_bytes_ = 0;
+      if (recv_bytes != 0 && recv != send) {
+        cu.check(cu.cuMemcpyDtoDAsync(reinterpret_cast<cu::DevicePtr>(recv), reinterpret_cast<cu::DevicePtr>(send),
+                                      recv_bytes, stream_),
+                 "copy of the broadcast root's input to its output (cuMemcpyDtoDAsync)");
+      }
+    } else if (recv_bytes > kMinPiece) {
+      out_piece_ = std::max(kMinPiece, (recv_bytes / 8 + kPieceAlign - 1) / kPieceAlign * kPieceAlign);
+      out_pieces_ = static_cast<std::uint32_t>((recv_bytes + out_piece_ - 1) / out_piece_);
+    }
+    take_word(std::max(pieces, out_pieces_));
+    for (std::uint32_t q = 0; q < pieces && send_bytes > 0; ++q) {
+      const std::uint64_t at = ((first + q) % pieces) * piece, len = std::min(piece, send_bytes - at);
+      cu.check(cu.cuMemcpyDtoHAsync(lease_.send + at, reinterpret_cast<cu::DevicePtr>(send) + at, len, stream_),
+               "copy of the input to host staging (cuMemcpyDtoHAsync)");
+      mark_ready(ticket_ - (pieces - 1) + q);
+    }
+    if (send_bytes == 0) mark_ready(ticket_);
     auto g = c.initGpu();
     set_sync(g, 0, 0);
     g.setClientStaged(true);
     g.setReadyPieces(pieces);
     g.setPieceBytes(piece);
     g.setPieceFirst(first);
+    g.setOutPieces(out_pieces_);
+    g.setOutPieceBytes(out_piece_);
   }
 
   collective_client_t* client_;
@@ -497,9 +540,12 @@ class StreamSubmit final : public GpuSubmit {
   cu::Stream stream_;
   CommGpu* staged_ = nullptr;
   std::uint64_t first_byte_ = 0;
+  int rank_ = 0;
   ClientStaging::Lease lease_;
   const void* recv_ = nullptr;
-  std::uint64_t recv_bytes_ = 0;
+  std::uint64_t copy_bytes_ = 0;  // of the output, copied back from the staging
+  std::uint64_t out_piece_ = 1;
+  std::uint32_t out_pieces_ = 1;
   cu::Context ctx_ = nullptr;
   std::unique_lock<std::mutex> lock_;
   std::uint32_t word_ = 0, ticket_ = 0;
@@ -614,7 +660,7 @@ collective_result_t stream_op(collective_comm_t* comm, wire::OpKind kind, const 
     first_byte = static_cast<std::uint64_t>(comm_next_node_first_rank(comm)) * one;
   }
   StreamSubmit submit(comm_client(comm), s, static_cast<cu::Stream>(stream),
-                      staged ? &comm_gpu(comm) : nullptr, first_byte);
+                      staged ? &comm_gpu(comm) : nullptr, first_byte, collective_comm_rank(comm));
   return submit_gpu_collective(comm, kind, send, send_bytes, recv, recv_bytes, count, dtype, redop,
                                root, name, request, submit);
 }

@@ -26,6 +26,8 @@ engine::gpu::GpuSyncArgs sync_args(wire::GpuSync::Reader req) {
   a.ready_pieces = std::max<std::uint32_t>(1, req.getReadyPieces());
   a.piece_bytes = req.getPieceBytes();
   a.piece_first = req.getPieceFirst();
+  a.out_pieces = std::max<std::uint32_t>(1, req.getOutPieces());
+  a.out_piece_bytes = req.getOutPieceBytes();
   return a;
 }
 

@@ -435,6 +435,10 @@ struct GpuSync {
   pieceBytes @9 :UInt64;    # pieceBytes; the stream wrote ticket - (readyPieces - 1) + q to
                             # readyWord once piece q was in
   pieceFirst @10 :UInt32;   # the pieces were copied from this one on, wrapping around
+  outPieces @11 :UInt32;    # clientStaged: the stream copies the output back in this many
+  outPieceBytes @12 :UInt64;  # pieces (0: 1) of outPieceBytes, piece q once the done word
+                            # reaches ticket - (outPieces - 1) + q (the daemon may write those
+                            # values as the pieces become final)
 }
 
 struct GpuStatus {

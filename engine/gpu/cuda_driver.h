@@ -189,6 +189,7 @@ class CudaDriver {
   /* staging by the client across nodes (client/staging.cc): */                              \
   X(cuMemcpyDtoHAsync, cu::Result (*)(void*, cu::DevicePtr, std::size_t, cu::Stream))         \
   X(cuMemcpyHtoDAsync, cu::Result (*)(cu::DevicePtr, const void*, std::size_t, cu::Stream))   \
+  X(cuMemcpyDtoDAsync, cu::Result (*)(cu::DevicePtr, cu::DevicePtr, std::size_t, cu::Stream))  \
   X(cuMemFreeHost, cu::Result (*)(void*))                                                     \
   /* Used by tools and tests (collective-perf -g, tests/gpu): */                             \
   X(cuMemAlloc, cu::Result (*)(cu::DevicePtr*, std::size_t))                                  \

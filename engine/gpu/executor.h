@@ -76,6 +76,10 @@ struct GpuSyncArgs {
   std::uint32_t ready_pieces = 1;
   std::uint64_t piece_bytes = 0;
   std::uint32_t piece_first = 0;  ///< copied from this piece on, wrapping around
+  /// The client copies the output back in pieces: piece q once the done
+  /// word reaches ticket - (out_pieces - 1) + q. 1: once, at the ticket.
+  std::uint32_t out_pieces = 1;
+  std::uint64_t out_piece_bytes = 0;
   std::uint64_t send_buffer_id = 0;
   std::uint64_t recv_buffer_id = 0;
 };

@@ -325,11 +325,13 @@ class Sync final : public RankSync {
   bool holds_done = true;
 
   /// Moves a word forward to the ticket (never back; wrap-aware).
-  void advance(std::uint32_t i) const {
+  void advance(std::uint32_t i) const { advance(i, ticket); }
+  /// Moves a word forward to `value`.
+  void advance(std::uint32_t i, std::uint32_t value) const {
     auto* w = flags->word(i);
     std::uint32_t cur = w->load(std::memory_order_relaxed);
-    while (static_cast<std::int32_t>(ticket - cur) > 0 &&
-           !w->compare_exchange_weak(cur, ticket, std::memory_order_release)) {
+    while (static_cast<std::int32_t>(value - cur) > 0 &&
+           !w->compare_exchange_weak(cur, value, std::memory_order_release)) {
     }
   }
   /// The client's stream has marked its input ready (ready words only).
@@ -346,6 +348,8 @@ class Sync final : public RankSync {
   std::uint32_t pieces = 1;
   std::uint64_t piece_bytes = 0;
   std::uint32_t piece_first = 0;  // copied from this piece on, wrapping around
+  std::uint32_t out_pieces = 1;   // the client copies the output back in pieces
+  std::uint64_t out_piece_bytes = 0;
   /// The client died, or the deadline passed: let the daemon's streams past its input.
   void release_ready() const {
     if (!event) advance(ready_word);
@@ -580,6 +584,16 @@ class CudaExecutor final : public GpuExecutor {
       sync->pieces = a.ready_pieces;
       sync->piece_bytes = a.piece_bytes;
       sync->piece_first = a.piece_first;
+    }
+    if (a.client_staged && a.out_pieces > 1) {
+      if (a.out_pieces > kMaxClientPieces || a.out_piece_bytes == 0) {
+        throw Error(Code::invalid_argument, "an output copied back by the client in " +
+                                                std::to_string(a.out_pieces) + " pieces of " +
+                                                std::to_string(a.out_piece_bytes) + " bytes (1 to " +
+                                                std::to_string(kMaxClientPieces) + " pieces)");
+      }
+      sync->out_pieces = a.out_pieces;
+      sync->out_piece_bytes = a.out_piece_bytes;
     }
     if (a.event_handle.empty()) {
       // The client's stream marks its input ready on a flag word.
@@ -1195,7 +1209,11 @@ class CudaExecutor final : public GpuExecutor {
     const GpuCollective& op = st.op;
     if (r < 0 || r >= static_cast<int>(op.sync.size()) || bytes == 0 || op.hold) return;
     const auto* s = static_cast<const Sync*>(op.sync[r].get());
-    if (s == nullptr || s->pipe || s->client_staged) return;
+    if (s == nullptr || s->pipe) return;
+    if (s->client_staged) {
+      client_out_early(st, *s, r, offset, bytes);
+      return;
+    }
     const Span& gr = op.recv[r];
     if (!copied_back(op, r) || gr.reg == nullptr || st.recv[r].ptr == nullptr || offset > gr.bytes ||
         bytes > gr.bytes - offset) {
@@ -1225,6 +1243,28 @@ class CudaExecutor final : public GpuExecutor {
   }
 
  private:
+  /// Staged by the client with its output copied back in pieces: bytes
+  /// [offset, offset + bytes) of rank r's output are final in its host
+  /// staging. Where that completes pieces 0 .. q, the done word goes to
+  /// piece q's value, and the client's stream copies them back while the
+  /// exchange goes on (it waits for each piece's value in turn).
+  static void client_out_early(Stage& st, const Sync& s, int r, std::uint64_t offset, std::uint64_t bytes) {
+    const std::uint64_t total = st.recv[r].bytes;
+    if (s.out_pieces <= 1 || offset > total || bytes > total - offset) return;
+    auto& ranges = st.early[r];
+    ranges.emplace_back(offset, bytes);
+    std::sort(ranges.begin(), ranges.end());
+    std::uint64_t prefix = 0;  // bytes final from the start
+    for (const auto& [off, len] : ranges) {
+      if (off > prefix) break;
+      prefix = std::max(prefix, off + len);
+    }
+    const std::uint64_t full = prefix >= total ? s.out_pieces : prefix / s.out_piece_bytes;
+    if (full == 0) return;
+    const auto q = static_cast<std::uint32_t>(std::min<std::uint64_t>(full, s.out_pieces) - 1);
+    s.advance(s.word, s.ticket - (s.out_pieces - 1) + q);
+  }
+
   /// Whether rank r's output of a staged operation is copied back from the
   /// host staging. Not a reduce's output off its root (not written, as
   /// NCCL's), nor a broadcast root's (its input, on the GPU already).
