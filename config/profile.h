@@ -162,7 +162,7 @@ struct GpuSection {
   /// (pipelined with the exchange). 0 = the daemon always. Capped at
   /// stage_chunk_bytes where that is set (a staged-by-client operation is
   /// never cut).
-  std::uint64_t client_stage_max_bytes = 8 * 1024 * 1024;
+  std::uint64_t client_stage_max_bytes = 4 * 1024 * 1024;
 };
 
 struct MetricsSection {

@@ -136,7 +136,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   CHECK(p.gpu.client_kernel_max_bytes == 16 * 1024 * 1024);
   CHECK(p.gpu.two_step_min_gpus == 3);
   CHECK(p.gpu.two_step_bytes == 512 * 1024);
-  CHECK(p.gpu.client_stage_max_bytes == 8 * 1024 * 1024);
+  CHECK(p.gpu.client_stage_max_bytes == 4 * 1024 * 1024);
   CHECK(p.client.socket == "/run/collectived/collectived.sock");
   CHECK(p.client.socket_mode == 0660);
   CHECK(p.client.allowed_uids == std::vector<std::uint32_t>{0});

@@ -1031,7 +1031,7 @@ std::size_t client_staged_lines(const GpuCluster& cl) {
 }
 
 TEST_CASE("gpu: across nodes, staged by the client: every operation, then a burst of queued operations") {
-  // The default gpu.client_stage_max_bytes (8 MiB) takes the whole matrix;
+  // The default gpu.client_stage_max_bytes (4 MiB) takes the whole matrix;
   // the 64 MiB all-reduce goes to the daemon's staging.
   GpuCluster cl(2, {"log.level=debug"});
   const bool ok = with_ranks_on(cl.sockets(), std::min(g_gpus, 2), [](GpuRank& g) {
