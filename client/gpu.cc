@@ -648,7 +648,11 @@ collective_result_t stream_op(collective_comm_t* comm, wire::OpKind kind, const 
   // needed: each rank's staging is its own).
   const std::uint64_t es = collective_dtype_size(dtype), one = count * es;
   const int nodes = comm_nodes(comm);
-  const bool staged = nodes > 1 && count > 0 && one != 0 && one <= s->client_stage_max;
+  // Each communicator keeps two blocks of an operation's input + output:
+  // an all-gather or all-to-all over many ranks is left to the daemon's
+  // staging (pooled per operation) beyond 8 x the limit.
+  const bool staged = nodes > 1 && count > 0 && one != 0 && one <= s->client_stage_max &&
+                      send_bytes + recv_bytes <= 8 * s->client_stage_max;
   // Where the daemon's exchange starts reading the input (its pairwise
   // all-reduce and reduce-scatter send the next node's segment first): that
   // piece is copied first.
