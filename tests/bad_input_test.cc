@@ -475,3 +475,66 @@ TEST_CASE("the daemon wakes a client asleep on its ring only for the completion 
   CHECK(eventually([&] { return h.client_sleeping.load() == 0; }, 5s));
   check_daemon_serves_others(d);
 }
+
+TEST_CASE("GPU requests staged by the client: refused for a send/recv group, and without a GPU; the session goes on") {
+  Daemon d;
+  RawClient c(d.socket());
+  REQUIRE(c.hello());
+  const auto comm = raw_comm_of_one(c, d.socket(), 3);
+  UniqueFd mem = sealed_memfd(8192);
+  auto reg = c.register_host(4, 8192, {mem.get()});
+  REQUIRE(reg);
+  REQUIRE(reg->message().isRegistered());
+  const std::uint64_t handle = reg->message().getRegistered().getHandle();
+  {
+    // A send/recv group never is (the daemon stages GPU send/recv itself).
+    capnp::MallocMessageBuilder b;
+    auto m = b.initRoot<wire::Message>();
+    m.setId(5);
+    auto g = m.initP2pGroup();
+    g.setComm(comm);
+    auto items = g.initItems(1);
+    items[0].setIsSend(true);
+    items[0].setPeer(0);
+    items[0].setCount(4);
+    items[0].setDtype(static_cast<std::uint8_t>(COLLECTIVE_INT32));
+    items[0].getBuffer().setHandle(handle);
+    g.initGpu().setClientStaged(true);
+    c.send(b);
+    auto r = c.receive(5s);
+    REQUIRE(r);
+    CHECK(error_code(*r) == Code::invalid_argument);
+    CHECK(error_message(*r).find("cannot be staged by the client") != std::string::npos);
+  }
+  {
+    // A collective on host staging with its stream hand-off: this daemon
+    // has no GPU (CI), and says so.
+    capnp::MallocMessageBuilder b;
+    auto m = b.initRoot<wire::Message>();
+    m.setId(6);
+    auto col = m.initCollective();
+    col.setComm(comm);
+    col.setKind(wire::OpKind::ALL_REDUCE);
+    col.setDtype(static_cast<std::uint8_t>(COLLECTIVE_INT32));
+    col.setRedop(static_cast<std::uint8_t>(COLLECTIVE_SUM));
+    col.setCount(4);
+    col.getSend().setHandle(handle);
+    col.getRecv().setHandle(handle);
+    auto g = col.initGpu();
+    g.setClientStaged(true);
+    g.setReadyPieces(2);
+    g.setPieceBytes(8);
+    c.send(b);
+    auto r = c.receive(5s);
+    REQUIRE(r);
+    CHECK(error_code(*r) != Code::ok);
+    MESSAGE("client-staged collective without a GPU: " << error_message(*r));
+  }
+  auto gone = c.deregister(7, handle);
+  REQUIRE(gone);
+  CHECK(gone->message().isOk());
+  check_daemon_serves_others(d);
+  auto s = c.status(8);
+  REQUIRE(s);
+  CHECK(s->message().isStatusReply());
+}
