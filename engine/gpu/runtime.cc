@@ -1075,7 +1075,12 @@ class CudaExecutor final : public GpuExecutor {
     p.keep = st;
     if (!client_pieces.empty()) {
       p.ready_words = std::move(client_pieces[0]);
-      for (std::uint32_t k = 0; k + 1 < pieces; ++k) later[k].ready_words = std::move(client_pieces[k + 1]);
+      for (std::uint32_t k = 0; k + 1 < pieces; ++k) {
+        later[k].ready_words = std::move(client_pieces[k + 1]);
+        // At the deadline, name the ranks whose input stopped coming.
+        later[k].syncs = p.syncs;
+        later[k].who = p.who;
+      }
     }
     for (std::uint32_t k = 0; k + 1 < pieces; ++k) {
       Pending& q = later[k];
