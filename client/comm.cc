@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "client/client_internal.h"
-#include "client/staging.h"
 #include "client/direct.h"
+#include "client/staging.h"
 
 using namespace collectived;
 using namespace collectived::client;

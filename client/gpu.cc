@@ -320,7 +320,11 @@ class StreamSubmit final : public GpuSubmit {
   /// (its piece is copied first).
   StreamSubmit(collective_client_t* client, std::shared_ptr<GpuState> s, cu::Stream stream,
                CommGpu* staged = nullptr, std::uint64_t first_byte = 0, int rank = 0)
-      : client_(client), s_(std::move(s)), stream_(stream), staged_(staged), first_byte_(first_byte),
+      : client_(client),
+        s_(std::move(s)),
+        stream_(stream),
+        staged_(staged),
+        first_byte_(first_byte),
         rank_(rank) {}
 
   void fill(wire::Collective::Builder c, const void* send, std::uint64_t send_bytes,
@@ -419,9 +423,11 @@ class StreamSubmit final : public GpuSubmit {
       const std::uint32_t k = out_pieces_;
       for (std::uint32_t q = 0; q < k && r == cu::kSuccess; ++q) {
         r = cu.cuStreamWaitValue32(stream_, done, ticket_ - (k - 1) + q, cu::kStreamWaitValueGeq);
-        const std::uint64_t at = q * out_piece_, len = std::min(out_piece_, copy_bytes_ - std::min(at, copy_bytes_));
+        const std::uint64_t at = q * out_piece_,
+                            len = std::min(out_piece_, copy_bytes_ - std::min(at, copy_bytes_));
         if (r == cu::kSuccess && len != 0) {
-          r = cu.cuMemcpyHtoDAsync(reinterpret_cast<cu::DevicePtr>(recv_) + at, lease_.recv + at, len, stream_);
+          r = cu.cuMemcpyHtoDAsync(reinterpret_cast<cu::DevicePtr>(recv_) + at, lease_.recv + at,
+                                   len, stream_);
           what = "copy of the output from host staging (cuMemcpyHtoDAsync)";
         }
       }
@@ -456,7 +462,8 @@ class StreamSubmit final : public GpuSubmit {
     if (send_bytes > 0) inspect_gpu(client_, s, send, send_bytes, "send");
     if (recv_bytes > 0) inspect_gpu(client_, s, recv, recv_bytes, "recv");
     if (!staged_->staging) {
-      staged_->staging = std::make_unique<ClientStaging>(client_, std::shared_ptr<const CudaDriver>(s_, s.cu.get()));
+      staged_->staging = std::make_unique<ClientStaging>(
+          client_, std::shared_ptr<const CudaDriver>(s_, s.cu.get()));
     }
     // All-reduce and broadcast in place on the host (one buffer): their
     // input is read once and their output has its size, so the host
@@ -467,23 +474,27 @@ class StreamSubmit final : public GpuSubmit {
     {
       // The daemon sees only the staging: the layout check it makes of
       // buffers it maps (engine_impl.h, check_buffers) is made here.
-      const auto sp = reinterpret_cast<std::uintptr_t>(send), rp = reinterpret_cast<std::uintptr_t>(recv);
+      const auto sp = reinterpret_cast<std::uintptr_t>(send),
+                 rp = reinterpret_cast<std::uintptr_t>(recv);
       if (send_bytes > 0 && recv_bytes > 0 && sp < rp + recv_bytes && rp < sp + send_bytes) {
-        const std::uint64_t per = c.asReader().getCount() * collective_dtype_size(
-                                      static_cast<collective_dtype_t>(c.asReader().getDtype()));
+        const std::uint64_t per =
+            c.asReader().getCount() *
+            collective_dtype_size(static_cast<collective_dtype_t>(c.asReader().getDtype()));
         const auto rank = static_cast<std::uint64_t>(rank_);
         const bool in_place = kind == wire::OpKind::ALL_GATHER       ? sp == rp + rank * per
                               : kind == wire::OpKind::REDUCE_SCATTER ? rp == sp + rank * per
                                                                      : sp == rp;
         if (!in_place) {
-          throw Error(Code::invalid_argument, "send and recv buffers overlap but are not the in-place layout");
+          throw Error(Code::invalid_argument,
+                      "send and recv buffers overlap but are not the in-place layout");
         }
       }
     }
     // The input in pieces, each marked ready on its own, so that the
     // daemon's exchange starts with the first (as the daemon cuts what it
     // stages: an eighth, at least 512 KiB, in whole 64 KiB).
-    constexpr std::uint64_t kMinPiece = std::uint64_t{512} << 10, kPieceAlign = std::uint64_t{64} << 10;
+    constexpr std::uint64_t kMinPiece = std::uint64_t{512} << 10,
+                            kPieceAlign = std::uint64_t{64} << 10;
     std::uint64_t piece = send_bytes;
     std::uint32_t pieces = 1, first = 0;
     if (send_bytes > kMinPiece) {
@@ -509,18 +520,21 @@ class StreamSubmit final : public GpuSubmit {
       // they are one buffer), not back from the host.
       copy_bytes_ = 0;
       if (recv_bytes != 0 && recv != send) {
-        cu.check(cu.cuMemcpyDtoDAsync(reinterpret_cast<cu::DevicePtr>(recv), reinterpret_cast<cu::DevicePtr>(send),
-                                      recv_bytes, stream_),
+        cu.check(cu.cuMemcpyDtoDAsync(reinterpret_cast<cu::DevicePtr>(recv),
+                                      reinterpret_cast<cu::DevicePtr>(send), recv_bytes, stream_),
                  "copy of the broadcast root's input to its output (cuMemcpyDtoDAsync)");
       }
     } else if (recv_bytes > kMinPiece) {
-      out_piece_ = std::max(kMinPiece, (recv_bytes / 8 + kPieceAlign - 1) / kPieceAlign * kPieceAlign);
+      out_piece_ =
+          std::max(kMinPiece, (recv_bytes / 8 + kPieceAlign - 1) / kPieceAlign * kPieceAlign);
       out_pieces_ = static_cast<std::uint32_t>((recv_bytes + out_piece_ - 1) / out_piece_);
     }
     take_word(std::max(pieces, out_pieces_));
     for (std::uint32_t q = 0; q < pieces && send_bytes > 0; ++q) {
-      const std::uint64_t at = ((first + q) % pieces) * piece, len = std::min(piece, send_bytes - at);
-      cu.check(cu.cuMemcpyDtoHAsync(lease_.send + at, reinterpret_cast<cu::DevicePtr>(send) + at, len, stream_),
+      const std::uint64_t at = ((first + q) % pieces) * piece,
+                          len = std::min(piece, send_bytes - at);
+      cu.check(cu.cuMemcpyDtoHAsync(lease_.send + at, reinterpret_cast<cu::DevicePtr>(send) + at,
+                                    len, stream_),
                "copy of the input to host staging (cuMemcpyDtoHAsync)");
       mark_ready(ticket_ - (pieces - 1) + q);
     }
@@ -658,7 +672,8 @@ collective_result_t stream_op(collective_comm_t* comm, wire::OpKind kind, const 
   // piece is copied first.
   std::uint64_t first_byte = 0;
   if (staged && kind == wire::OpKind::ALL_REDUCE) {
-    const auto j = static_cast<std::uint64_t>((comm_node(comm) + 1) % nodes), n = static_cast<std::uint64_t>(nodes);
+    const auto j = static_cast<std::uint64_t>((comm_node(comm) + 1) % nodes),
+               n = static_cast<std::uint64_t>(nodes);
     first_byte = (count / n * j + std::min<std::uint64_t>(j, count % n)) * es;
   } else if (staged && kind == wire::OpKind::REDUCE_SCATTER) {
     first_byte = static_cast<std::uint64_t>(comm_next_node_first_rank(comm)) * one;

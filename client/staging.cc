@@ -32,8 +32,8 @@ void ClientStaging::allocate(std::uint64_t bytes, Block& b) {
   const gpu::CudaDriver& cu = *cu_;
   void* p = nullptr;
   if (collective_host_alloc(client_, bytes, &p) != COLLECTIVE_OK) {
-    throw Error(Code::resource_exhausted,
-                std::string("host staging of ") + std::to_string(bytes) + " bytes: " + collective_last_error());
+    throw Error(Code::resource_exhausted, std::string("host staging of ") + std::to_string(bytes) +
+                                              " bytes: " + collective_last_error());
   }
   b.host = static_cast<std::byte*>(p);
   b.bytes = bytes;
@@ -75,12 +75,13 @@ void ClientStaging::free_block(Block& b) noexcept {
   b = Block{};
 }
 
-ClientStaging::Lease ClientStaging::take(std::uint64_t send_bytes, std::uint64_t recv_bytes, bool one,
-                                         cu::Stream stream) {
+ClientStaging::Lease ClientStaging::take(std::uint64_t send_bytes, std::uint64_t recv_bytes,
+                                         bool one, cu::Stream stream) {
   const gpu::CudaDriver& cu = *cu_;
   const std::uint64_t send_at = 0;
   const std::uint64_t recv_at = one ? 0 : round_up(send_bytes, kAlign);
-  const std::uint64_t need = std::max<std::uint64_t>(1, one ? std::max(send_bytes, recv_bytes) : recv_at + recv_bytes);
+  const std::uint64_t need =
+      std::max<std::uint64_t>(1, one ? std::max(send_bytes, recv_bytes) : recv_at + recv_bytes);
   // The copies out of the previous operations come first: of this block's
   // (its memory is reused) and of the other's (see the class comment).
   // Nothing to wait for on one stream, where they are before anyway.

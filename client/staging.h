@@ -63,8 +63,8 @@ class ClientStaging {
     std::uint64_t handle = 0, offset = 0;  // the daemon's registration of `host`
     gpu::cu::Event used = nullptr;         // recorded after the last operation's copies out
     gpu::cu::Context ctx = nullptr;
-    bool registered = false;               // with CUDA
-    bool recorded = false;                 // `used` was recorded
+    bool registered = false;  // with CUDA
+    bool recorded = false;    // `used` was recorded
   };
   void allocate(std::uint64_t bytes, Block& b);
   void free_block(Block& b) noexcept;

@@ -115,11 +115,10 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   const std::string text(cfg::default_profile_text());
   REQUIRE(!text.empty());
   const std::vector<std::string> keys = cfg::known_keys();
-  CHECK(keys.size() ==
-        51);  // main's 37 + metrics.listen + gpu.stage_chunk_bytes + tcp.io_threads +
-              // verbs.in_place_min_bytes + gpu.copy_engine_min_bytes + gpu.client_kernels +
-              // gpu.client_kernel_max_bytes + tcp.congestion_control +
-              // gpu.client_stage_max_bytes
+  CHECK(keys.size() == 51);  // main's 37 + metrics.listen + gpu.stage_chunk_bytes + tcp.io_threads
+                             // + verbs.in_place_min_bytes + gpu.copy_engine_min_bytes +
+                             // gpu.client_kernels + gpu.client_kernel_max_bytes +
+                             // tcp.congestion_control + gpu.client_stage_max_bytes
   CHECK(keys.front() == "node.name");
   CHECK(keys.back() == "metrics.listen");
   for (const std::string& key : keys) {

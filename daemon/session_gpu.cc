@@ -182,7 +182,8 @@ bool ClientSession::submit_chunked(std::uint64_t id, wire::Collective::Reader re
     if (dt && req.getCount() > chunk_bytes / engine::dtype_size(*dt)) {
       throw Error(Code::invalid_argument,
                   "an operation staged by the client is larger than gpu.stage_chunk_bytes (" +
-                      std::to_string(chunk_bytes) + " bytes per rank), which every daemon cuts in chunks");
+                      std::to_string(chunk_bytes) +
+                      " bytes per rank), which every daemon cuts in chunks");
     }
     return false;
   }

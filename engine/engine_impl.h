@@ -1351,7 +1351,8 @@ struct Engine::Impl {
         // host buffer); the executor refuses it inside one node.
         if (on_device) {
           throw Error(Code::invalid_argument,
-                      std::string(which) + " buffer is GPU memory, but the operation is staged by the client");
+                      std::string(which) +
+                          " buffer is GPU memory, but the operation is staged by the client");
         }
         continue;
       }

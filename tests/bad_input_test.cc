@@ -476,7 +476,9 @@ TEST_CASE("the daemon wakes a client asleep on its ring only for the completion 
   check_daemon_serves_others(d);
 }
 
-TEST_CASE("GPU requests staged by the client: refused for a send/recv group, and without a GPU; the session goes on") {
+TEST_CASE(
+    "GPU requests staged by the client: refused for a send/recv group, and without a GPU; the "
+    "session goes on") {
   Daemon d;
   RawClient c(d.socket());
   REQUIRE(c.hello());

@@ -572,14 +572,17 @@ class CudaExecutor final : public GpuExecutor {
     sync->graveyard = graveyard_;
     sync->client_staged = a.client_staged;
     if (a.client_staged && !a.event_handle.empty()) {
-      throw Error(Code::invalid_argument, "an operation staged by the client takes a ready word, not an event");
+      throw Error(Code::invalid_argument,
+                  "an operation staged by the client takes a ready word, not an event");
     }
     if (a.client_staged && a.ready_pieces > 1) {
-      if (a.ready_pieces > kMaxClientPieces || a.piece_bytes == 0 || a.piece_first >= a.ready_pieces) {
-        throw Error(Code::invalid_argument, "an input staged by the client in " + std::to_string(a.ready_pieces) +
-                                                " pieces of " + std::to_string(a.piece_bytes) + " bytes from piece " +
-                                                std::to_string(a.piece_first) + " (1 to " +
-                                                std::to_string(kMaxClientPieces) + " pieces)");
+      if (a.ready_pieces > kMaxClientPieces || a.piece_bytes == 0 ||
+          a.piece_first >= a.ready_pieces) {
+        throw Error(Code::invalid_argument,
+                    "an input staged by the client in " + std::to_string(a.ready_pieces) +
+                        " pieces of " + std::to_string(a.piece_bytes) + " bytes from piece " +
+                        std::to_string(a.piece_first) + " (1 to " +
+                        std::to_string(kMaxClientPieces) + " pieces)");
       }
       sync->pieces = a.ready_pieces;
       sync->piece_bytes = a.piece_bytes;
@@ -587,10 +590,10 @@ class CudaExecutor final : public GpuExecutor {
     }
     if (a.client_staged && a.out_pieces > 1) {
       if (a.out_pieces > kMaxClientPieces || a.out_piece_bytes == 0) {
-        throw Error(Code::invalid_argument, "an output copied back by the client in " +
-                                                std::to_string(a.out_pieces) + " pieces of " +
-                                                std::to_string(a.out_piece_bytes) + " bytes (1 to " +
-                                                std::to_string(kMaxClientPieces) + " pieces)");
+        throw Error(Code::invalid_argument,
+                    "an output copied back by the client in " + std::to_string(a.out_pieces) +
+                        " pieces of " + std::to_string(a.out_piece_bytes) + " bytes (1 to " +
+                        std::to_string(kMaxClientPieces) + " pieces)");
       }
       sync->out_pieces = a.out_pieces;
       sync->out_piece_bytes = a.out_piece_bytes;
@@ -689,8 +692,9 @@ class CudaExecutor final : public GpuExecutor {
     for (int r = 0; r < n; ++r) {
       if (op.sync[r] && op.sync[r]->client_staged) {
         throw Error(Code::invalid_argument,
-                    op.who[r] + " staged its GPU buffers through host memory, but the communicator "
-                                "has every rank on this node (only operations across nodes are staged)");
+                    op.who[r] +
+                        " staged its GPU buffers through host memory, but the communicator "
+                        "has every rank on this node (only operations across nodes are staged)");
       }
     }
     for (int r = 0; r < n; ++r) {
@@ -867,10 +871,12 @@ class CudaExecutor final : public GpuExecutor {
         // runs on them as they are.
         const auto* cs = static_cast<const Sync*>(op.sync[r].get());
         const std::uint64_t in = op.send[r].bytes;
-        if (cs->pieces > 1 && (in == 0 || (in + cs->piece_bytes - 1) / cs->piece_bytes != cs->pieces)) {
-          throw Error(Code::invalid_argument,
-                      op.who[r] + " staged an input of " + std::to_string(in) + " bytes in " +
-                          std::to_string(cs->pieces) + " pieces of " + std::to_string(cs->piece_bytes) + " bytes");
+        if (cs->pieces > 1 &&
+            (in == 0 || (in + cs->piece_bytes - 1) / cs->piece_bytes != cs->pieces)) {
+          throw Error(Code::invalid_argument, op.who[r] + " staged an input of " +
+                                                  std::to_string(in) + " bytes in " +
+                                                  std::to_string(cs->pieces) + " pieces of " +
+                                                  std::to_string(cs->piece_bytes) + " bytes");
         }
         st->send[r] = Span{nullptr, op.send[r].ptr, op.send[r].bytes};
         st->recv[r] = Span{nullptr, op.recv[r].ptr, op.recv[r].bytes};
@@ -1007,7 +1013,8 @@ class CudaExecutor final : public GpuExecutor {
       auto* s = static_cast<Sync*>(op.sync[r].get());
       if (s == nullptr) continue;  // a rank on another node
       if (s->client_staged) {
-        if (client_pieces.empty()) p.ready_words.emplace_back(s, s->ticket);  // the completion thread reads it
+        if (client_pieces.empty())
+          p.ready_words.emplace_back(s, s->ticket);  // the completion thread reads it
         continue;
       }
       const Span& gs = op.send[r];
@@ -1068,7 +1075,8 @@ class CudaExecutor final : public GpuExecutor {
     }
     p.syncs = op.sync;
     if (by_client && log_.enabled(config::LogLevel::debug)) {
-      log_.debug("gpu_client_staged", {{"comm", op.comm}, {"seq", op.seq}, {"op", to_string(op.kind)}});
+      log_.debug("gpu_client_staged",
+                 {{"comm", op.comm}, {"seq", op.seq}, {"op", to_string(op.kind)}});
     }
     const Clock::time_point deadline = op.deadline;
     st->op = std::move(op);
@@ -1253,7 +1261,8 @@ class CudaExecutor final : public GpuExecutor {
   /// staging. Where that completes pieces 0 .. q, the done word goes to
   /// piece q's value, and the client's stream copies them back while the
   /// exchange goes on (it waits for each piece's value in turn).
-  static void client_out_early(Stage& st, const Sync& s, int r, std::uint64_t offset, std::uint64_t bytes) {
+  static void client_out_early(Stage& st, const Sync& s, int r, std::uint64_t offset,
+                               std::uint64_t bytes) {
     const std::uint64_t total = st.recv[r].bytes;
     if (s.out_pieces <= 1 || offset > total || bytes > total - offset) return;
     auto& ranges = st.early[r];

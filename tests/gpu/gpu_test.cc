@@ -947,7 +947,8 @@ int burst_body(GpuRank& g) {
     const bool big_send = o.k == Kind::reduce_scatter, big_recv = o.k == Kind::all_gather;
     const std::size_t send_elems = big_send ? o.count * n : o.count;
     std::vector<std::vector<std::byte>> in(n);
-    for (int r = 0; r < n; ++r) in[r] = input(engine::DType::int32, engine::RedOp::sum, r, send_elems, salt);
+    for (int r = 0; r < n; ++r)
+      in[r] = input(engine::DType::int32, engine::RedOp::sum, r, send_elems, salt);
     ++salt;
     o.recv_bytes = big_recv ? one * n : one;
     o.send = g.alloc(send_elems * es);
@@ -957,16 +958,22 @@ int burst_body(GpuRank& g) {
     auto sum_at = [&](std::size_t at, std::byte* dst) {
       std::vector<const void*> srcs;
       for (int r = 0; r < n; ++r) srcs.push_back(in[r].data() + at * es);
-      engine::reduce(engine::DType::int32, engine::RedOp::sum, dst, srcs.data(), srcs.size(), o.count,
-                     static_cast<std::size_t>(n));
+      engine::reduce(engine::DType::int32, engine::RedOp::sum, dst, srcs.data(), srcs.size(),
+                     o.count, static_cast<std::size_t>(n));
     };
     switch (o.k) {
-      case Kind::all_reduce: sum_at(0, o.want.data()); break;
-      case Kind::reduce_scatter: sum_at(rank * o.count, o.want.data()); break;
+      case Kind::all_reduce:
+        sum_at(0, o.want.data());
+        break;
+      case Kind::reduce_scatter:
+        sum_at(rank * o.count, o.want.data());
+        break;
       case Kind::all_gather:
         for (int r = 0; r < n; ++r) std::memcpy(o.want.data() + r * one, in[r].data(), one);
         break;
-      default: std::memcpy(o.want.data(), in[o.root].data(), one); break;
+      default:
+        std::memcpy(o.want.data(), in[o.root].data(), one);
+        break;
     }
     ops.push_back(std::move(o));
   }
@@ -978,23 +985,29 @@ int burst_body(GpuRank& g) {
     collective_result_t rc = COLLECTIVE_OK;
     switch (o.k) {
       case Kind::all_reduce:
-        rc = collective_all_reduce_stream(g.comm, sp, rp, o.count, COLLECTIVE_INT32, COLLECTIVE_SUM, g.stream, &req);
+        rc = collective_all_reduce_stream(g.comm, sp, rp, o.count, COLLECTIVE_INT32, COLLECTIVE_SUM,
+                                          g.stream, &req);
         break;
       case Kind::all_gather:
-        rc = collective_all_gather_stream(g.comm, sp, rp, o.count, COLLECTIVE_INT32, g.stream, &req);
+        rc =
+            collective_all_gather_stream(g.comm, sp, rp, o.count, COLLECTIVE_INT32, g.stream, &req);
         break;
       case Kind::reduce_scatter:
-        rc = collective_reduce_scatter_stream(g.comm, sp, rp, o.count, COLLECTIVE_INT32, COLLECTIVE_SUM, g.stream, &req);
+        rc = collective_reduce_scatter_stream(g.comm, sp, rp, o.count, COLLECTIVE_INT32,
+                                              COLLECTIVE_SUM, g.stream, &req);
         break;
       default:
-        rc = collective_broadcast_stream(g.comm, sp, rp, o.count, COLLECTIVE_INT32, o.root, g.stream, &req);
+        rc = collective_broadcast_stream(g.comm, sp, rp, o.count, COLLECTIVE_INT32, o.root,
+                                         g.stream, &req);
         break;
     }
-    if (rc != COLLECTIVE_OK) throw std::runtime_error(std::string(kind_name(o.k)) + ": " + collective_last_error());
+    if (rc != COLLECTIVE_OK)
+      throw std::runtime_error(std::string(kind_name(o.k)) + ": " + collective_last_error());
     reqs.push_back(req);
   }
   for (auto* req : reqs) {
-    if (collective_wait(req, -1) != COLLECTIVE_OK) throw std::runtime_error(std::string("wait: ") + collective_last_error());
+    if (collective_wait(req, -1) != COLLECTIVE_OK)
+      throw std::runtime_error(std::string("wait: ") + collective_last_error());
     collective_request_free(req);
   }
   g.ok(g.cu->cuStreamSynchronize(g.stream), "cuStreamSynchronize");
@@ -1006,8 +1019,8 @@ int burst_body(GpuRank& g) {
     long w = 0;
     for (std::size_t b = 0; b < o.recv_bytes; ++b) w += got[b] != o.want[b] ? 1 : 0;
     if (w != 0) {
-      std::fprintf(stderr, "rank %d: burst op %zu (%s, count %zu): %ld wrong bytes\n", rank, i, kind_name(o.k),
-                   o.count, w);
+      std::fprintf(stderr, "rank %d: burst op %zu (%s, count %zu): %ld wrong bytes\n", rank, i,
+                   kind_name(o.k), o.count, w);
     }
     wrong += w;
     g.ok(g.cu->cuMemFree(o.send), "free");
@@ -1030,38 +1043,45 @@ std::size_t client_staged_lines(const GpuCluster& cl) {
   return lines;
 }
 
-TEST_CASE("gpu: across nodes, staged by the client: every operation, then a burst of queued operations") {
+TEST_CASE(
+    "gpu: across nodes, staged by the client: every operation, then a burst of queued operations") {
   // The default gpu.client_stage_max_bytes (4 MiB) takes the whole matrix;
   // the 64 MiB all-reduce goes to the daemon's staging.
   GpuCluster cl(2, {"log.level=debug"});
-  const bool ok = with_ranks_on(cl.sockets(), std::min(g_gpus, 2), [](GpuRank& g) {
-    int rc = matrix_body(g);
-    std::string first;
-    if (run_case(g, Kind::all_reduce, engine::DType::float32, engine::RedOp::sum, 16u << 20, 0, false, 7,
-                 first) != 0) {
-      std::fprintf(stderr, "rank %d: %s\n", g.rank, first.c_str());
-      rc = 1;
-    }
-    if (rc == 0) rc = burst_body(g);
-    // Buffers that overlap other than in place: refused by the client (the
-    // daemon sees only its staging), before anything is submitted.
-    cu::DevicePtr buf = g.alloc(8192);
-    collective_request_t* req = nullptr;
-    const auto bad = collective_all_gather_stream(g.comm, reinterpret_cast<void*>(buf + 4), reinterpret_cast<void*>(buf),
-                                                  100, COLLECTIVE_INT32, g.stream, &req);
-    const std::string why = bad == COLLECTIVE_OK ? "accepted" : collective_last_error();
-    if (bad == COLLECTIVE_OK || why.find("in-place layout") == std::string::npos) {
-      std::fprintf(stderr, "rank %d: overlapping all-gather buffers: %s\n", g.rank, why.c_str());
-      rc = 6;
-    }
-    if (bad == COLLECTIVE_OK) collective_request_free(req);
-    return rc;
-  }, 600s);
+  const bool ok = with_ranks_on(
+      cl.sockets(), std::min(g_gpus, 2),
+      [](GpuRank& g) {
+        int rc = matrix_body(g);
+        std::string first;
+        if (run_case(g, Kind::all_reduce, engine::DType::float32, engine::RedOp::sum, 16u << 20, 0,
+                     false, 7, first) != 0) {
+          std::fprintf(stderr, "rank %d: %s\n", g.rank, first.c_str());
+          rc = 1;
+        }
+        if (rc == 0) rc = burst_body(g);
+        // Buffers that overlap other than in place: refused by the client (the
+        // daemon sees only its staging), before anything is submitted.
+        cu::DevicePtr buf = g.alloc(8192);
+        collective_request_t* req = nullptr;
+        const auto bad = collective_all_gather_stream(g.comm, reinterpret_cast<void*>(buf + 4),
+                                                      reinterpret_cast<void*>(buf), 100,
+                                                      COLLECTIVE_INT32, g.stream, &req);
+        const std::string why = bad == COLLECTIVE_OK ? "accepted" : collective_last_error();
+        if (bad == COLLECTIVE_OK || why.find("in-place layout") == std::string::npos) {
+          std::fprintf(stderr, "rank %d: overlapping all-gather buffers: %s\n", g.rank,
+                       why.c_str());
+          rc = 6;
+        }
+        if (bad == COLLECTIVE_OK) collective_request_free(req);
+        return rc;
+      },
+      600s);
   if (!ok) cl.dump_logs();
   CHECK(ok);
   CHECK(client_staged_lines(cl) > 100);
   for (const auto& node : cl.nodes) {
-    CHECK(node.daemon->log().find("gpu_staged") != std::string::npos);  // the 64 MiB one: the daemon's
+    CHECK(node.daemon->log().find("gpu_staged") !=
+          std::string::npos);  // the 64 MiB one: the daemon's
   }
 }
 
@@ -1151,7 +1171,7 @@ static void late_input_across_nodes(std::size_t count, std::vector<std::string> 
 }
 
 TEST_CASE("gpu: across nodes: a rank whose input never becomes ready fails by its deadline, named") {
-  late_input_across_nodes(1024, {});  // staged by the client
+  late_input_across_nodes(1024, {});                                // staged by the client
   late_input_across_nodes(1024, {"gpu.client_stage_max_bytes=0"});  // by the daemon
 }
 
