@@ -127,6 +127,17 @@ collective_result_t wait_local(collective_request_t* r, std::chrono::millisecond
   return finish(r);
 }
 
+/// A new communicator's identity and layout, as the daemon's CommReady says.
+void adopt(collective_comm& c, wire::CommReady::Reader ready) {
+  c.handle = ready.getComm();
+  c.rank = static_cast<int>(ready.getRank());
+  c.nranks = static_cast<int>(ready.getNranks());
+  c.nodes = static_cast<int>(ready.getNodes());
+  c.node = static_cast<int>(ready.getNode());
+  c.next_node_first_rank = static_cast<int>(ready.getNextNodeFirstRank());
+  c.name = ready.getName().cStr();
+}
+
 collective_result_t submit(collective_comm_t* comm, wire::OpKind kind, const void* send,
                            std::uint64_t send_bytes, void* recv, std::uint64_t recv_bytes,
                            std::size_t count, collective_dtype_t dtype, collective_redop_t redop,
@@ -385,13 +396,7 @@ collective_result_t collective_comm_init_rank(collective_client_t* client,
     auto ready = reply->message().getCommReady();
     auto c = std::make_unique<collective_comm>();
     c->client = client;
-    c->handle = ready.getComm();
-    c->rank = static_cast<int>(ready.getRank());
-    c->nranks = static_cast<int>(ready.getNranks());
-    c->nodes = static_cast<int>(ready.getNodes());
-    c->node = static_cast<int>(ready.getNode());
-    c->next_node_first_rank = static_cast<int>(ready.getNextNodeFirstRank());
-    c->name = ready.getName().cStr();
+    adopt(*c, ready);
     *comm = c.release();
   });
 }
@@ -414,13 +419,7 @@ collective_result_t collective_comm_split(collective_comm_t* comm, int color, in
     if (ready.getComm() == 0) return;  // COLLECTIVE_SPLIT_NOCOLOR
     auto c = std::make_unique<collective_comm>();
     c->client = comm->client;
-    c->handle = ready.getComm();
-    c->rank = static_cast<int>(ready.getRank());
-    c->nranks = static_cast<int>(ready.getNranks());
-    c->nodes = static_cast<int>(ready.getNodes());
-    c->node = static_cast<int>(ready.getNode());
-    c->next_node_first_rank = static_cast<int>(ready.getNextNodeFirstRank());
-    c->name = ready.getName().cStr();
+    adopt(*c, ready);
     *newcomm = c.release();
   });
 }

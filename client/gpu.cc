@@ -19,6 +19,7 @@
 #include "client/client_internal.h"
 #include "client/direct.h"
 #include "client/staging.h"
+#include "ipc/stage_pieces.h"
 #include "engine/gpu/cuda_driver.h"
 
 using namespace collectived;
@@ -422,7 +423,8 @@ class StreamSubmit final : public GpuSubmit {
       // copied back as soon as it is final, while the exchange goes on.
       const std::uint32_t k = out_pieces_;
       for (std::uint32_t q = 0; q < k && r == cu::kSuccess; ++q) {
-        r = cu.cuStreamWaitValue32(stream_, done, ticket_ - (k - 1) + q, cu::kStreamWaitValueGeq);
+        r = cu.cuStreamWaitValue32(stream_, done, ipc::stage_piece_value(ticket_, k, q),
+                                   cu::kStreamWaitValueGeq);
         const std::uint64_t at = q * out_piece_,
                             len = std::min(out_piece_, copy_bytes_ - std::min(at, copy_bytes_));
         if (r == cu::kSuccess && len != 0) {
@@ -491,14 +493,12 @@ class StreamSubmit final : public GpuSubmit {
       }
     }
     // The input in pieces, each marked ready on its own, so that the
-    // daemon's exchange starts with the first (as the daemon cuts what it
-    // stages: an eighth, at least 512 KiB, in whole 64 KiB).
-    constexpr std::uint64_t kMinPiece = std::uint64_t{512} << 10,
-                            kPieceAlign = std::uint64_t{64} << 10;
+    // daemon's exchange starts with the first (cut as the daemon cuts what it
+    // stages).
     std::uint64_t piece = send_bytes;
     std::uint32_t pieces = 1, first = 0;
-    if (send_bytes > kMinPiece) {
-      piece = std::max(kMinPiece, (send_bytes / 8 + kPieceAlign - 1) / kPieceAlign * kPieceAlign);
+    if (send_bytes > ipc::kStagePieceMin) {
+      piece = ipc::stage_piece_bytes(send_bytes);
       pieces = static_cast<std::uint32_t>((send_bytes + piece - 1) / piece);
       first = static_cast<std::uint32_t>(std::min<std::uint64_t>(first_byte_ / piece, pieces - 1));
     }
@@ -524,9 +524,8 @@ class StreamSubmit final : public GpuSubmit {
                                       reinterpret_cast<cu::DevicePtr>(send), recv_bytes, stream_),
                  "copy of the broadcast root's input to its output (cuMemcpyDtoDAsync)");
       }
-    } else if (recv_bytes > kMinPiece) {
-      out_piece_ =
-          std::max(kMinPiece, (recv_bytes / 8 + kPieceAlign - 1) / kPieceAlign * kPieceAlign);
+    } else if (recv_bytes > ipc::kStagePieceMin) {
+      out_piece_ = ipc::stage_piece_bytes(recv_bytes);
       out_pieces_ = static_cast<std::uint32_t>((recv_bytes + out_piece_ - 1) / out_piece_);
     }
     take_word(std::max(pieces, out_pieces_));
@@ -536,7 +535,7 @@ class StreamSubmit final : public GpuSubmit {
       cu.check(cu.cuMemcpyDtoHAsync(lease_.send + at, reinterpret_cast<cu::DevicePtr>(send) + at,
                                     len, stream_),
                "copy of the input to host staging (cuMemcpyDtoHAsync)");
-      mark_ready(ticket_ - (pieces - 1) + q);
+      mark_ready(ipc::stage_piece_value(ticket_, pieces, q));
     }
     if (send_bytes == 0) mark_ready(ticket_);
     auto g = c.initGpu();

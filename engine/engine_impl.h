@@ -19,6 +19,7 @@
 #include "engine/engine.h"
 #include "engine/fiber.h"
 #include "engine/gpu/executor.h"
+#include "ipc/stage_pieces.h"
 #include "engine/node_algorithms.h"
 #include "engine/plan.h"
 #include "engine/transport/transport.h"
@@ -905,8 +906,7 @@ struct Engine::Impl {
       if (reads_input_in_pieces(op.kind, one, cp->nranks, local,
                                 static_cast<int>(cp->node_address.size()), algorithms)) {
         const std::uint64_t in = one * (op.kind == OpKind::reduce_scatter ? cp->nranks : 1);
-        constexpr std::uint64_t kMinPiece = std::uint64_t{512} << 10, kAlign = std::uint64_t{64} << 10;
-        op.in_piece_bytes = std::max(kMinPiece, (in / 8 + kAlign - 1) / kAlign * kAlign);
+        op.in_piece_bytes = ipc::stage_piece_bytes(in);  // the client's rule too
         op.in_first_byte = first_input_read(op.kind, op.count, op.dtype, cp->node_of_rank, cp->my_node,
                                             static_cast<int>(cp->node_address.size()));
       }

@@ -25,6 +25,7 @@
 
 #include "engine/gpu/cuda_driver.h"
 #include "engine/gpu/executor.h"
+#include "ipc/stage_pieces.h"
 #include "engine/gpu/kernels.h"
 #include "engine/gpu/mps.h"
 #include "engine/host_mapping.h"
@@ -344,7 +345,7 @@ class Sync final : public RankSync {
   /// Staged by the client in `pieces` pieces of `piece_bytes`: its stream
   /// writes this value once piece q is in its host staging (the last piece's
   /// is the ticket).
-  std::uint32_t piece_value(std::uint32_t q) const { return ticket - (pieces - 1) + q; }
+  std::uint32_t piece_value(std::uint32_t q) const { return ipc::stage_piece_value(ticket, pieces, q); }
   std::uint32_t pieces = 1;
   std::uint64_t piece_bytes = 0;
   std::uint32_t piece_first = 0;  // copied from this piece on, wrapping around
@@ -1276,7 +1277,7 @@ class CudaExecutor final : public GpuExecutor {
     const std::uint64_t full = prefix >= total ? s.out_pieces : prefix / s.out_piece_bytes;
     if (full == 0) return;
     const auto q = static_cast<std::uint32_t>(std::min<std::uint64_t>(full, s.out_pieces) - 1);
-    s.advance(s.word, s.ticket - (s.out_pieces - 1) + q);
+    s.advance(s.word, ipc::stage_piece_value(s.ticket, s.out_pieces, q));
   }
 
   /// Whether rank r's output of a staged operation is copied back from the

@@ -1,0 +1,31 @@
+// How a staged GPU operation across nodes is cut in pieces, and the flag-word
+// value that marks each piece: the one rule of the daemon, which stages large
+// operations itself, and of the client library, which stages the others and
+// tells the daemon its pieces (GpuSync.readyPieces, outPieces).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+namespace collectived::ipc {
+
+/// Pieces are at least this large: a copy of less runs below the link's
+/// speed, and each piece costs a copy call and a flag.
+inline constexpr std::uint64_t kStagePieceMin = std::uint64_t{512} << 10;
+inline constexpr std::uint64_t kStagePieceAlign = std::uint64_t{64} << 10;
+
+/// Bytes per piece of `total` staged bytes: an eighth, at least
+/// kStagePieceMin, in whole kStagePieceAlign (one piece where `total` is no
+/// larger than the minimum).
+constexpr std::uint64_t stage_piece_bytes(std::uint64_t total) {
+  return std::max(kStagePieceMin, (total / 8 + kStagePieceAlign - 1) / kStagePieceAlign * kStagePieceAlign);
+}
+
+/// The value a flag word takes once the q-th of `pieces` pieces of an
+/// operation holding `ticket` is done: the last piece's is the ticket (the
+/// client takes `pieces` tickets of the word for it).
+constexpr std::uint32_t stage_piece_value(std::uint32_t ticket, std::uint32_t pieces, std::uint32_t q) {
+  return ticket - (pieces - 1) + q;
+}
+
+}  // namespace collectived::ipc
