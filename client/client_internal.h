@@ -109,6 +109,10 @@ struct CommGpu {
   ~CommGpu();
 };
 CommGpu& comm_gpu(collective_comm_t* comm);
+/// A communicator was made (init or split): where it spans nodes and the
+/// calling thread has a CUDA context, loads the staging kernels there
+/// (client/gpu.cc). Best effort: without them the copy engines stage.
+void gpu_comm_created(collective_comm_t* comm) noexcept;
 /// The daemon's handle of the communicator (this rank's).
 std::uint64_t comm_handle(const collective_comm_t* comm);
 /// Nodes the communicator's ranks live on (0: the daemon did not say).

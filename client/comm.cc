@@ -398,6 +398,7 @@ collective_result_t collective_comm_init_rank(collective_client_t* client,
     c->client = client;
     adopt(*c, ready);
     *comm = c.release();
+    gpu_comm_created(*comm);
   });
 }
 
@@ -421,6 +422,7 @@ collective_result_t collective_comm_split(collective_comm_t* comm, int color, in
     c->client = comm->client;
     adopt(*c, ready);
     *newcomm = c.release();
+    gpu_comm_created(*newcomm);
   });
 }
 

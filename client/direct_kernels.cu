@@ -378,3 +378,82 @@ extern "C" __global__ void __launch_bounds__(kThreads) collectived_direct(Args a
     case DType::float64: return reducing_op<double>(a, slot);
   }
 }
+
+// ---- Staging across nodes (client/staging.h, StageKernels) -----------------
+//
+// A small GPU collective across nodes is staged by the client through host
+// memory shared with the daemon. With copy engines, the caller's stream ran a
+// copy, a flag write, a flag wait and a copy per operation, each a stream
+// operation of its own: measured on 2 H100 (two daemons over TCP, 8-byte
+// all-reduce back to back), 19 us from the daemon's done word to the next
+// operation's input in host memory, of a 48 us cycle. One kernel copies the
+// input and then writes the ready word (a copy and a flag write before); one
+// copies the output after the stream's wait for the done word.
+
+namespace {
+using u32 = unsigned;
+using u64s = unsigned long long;
+
+__device__ __forceinline__ void store_release_u32(u32* p, u32 v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+/// This block's bytes [lo, hi) of `bytes`, in whole 16-byte units but the last.
+__device__ __forceinline__ void block_range(u64s bytes, u64s& lo, u64s& hi) {
+  const u64s units = (bytes + 15) / 16, g = gridDim.x;
+  const u64s per = (units + g - 1) / g;
+  lo = min(bytes, blockIdx.x * per * 16);
+  hi = min(bytes, lo + per * 16);
+}
+
+/// Copies [lo, hi) of src to dst; loads are volatile where `from_host`: host
+/// memory the daemon wrote after this kernel started must not come from a
+/// cache line an earlier kernel read.
+__device__ __forceinline__ void stage_copy(const unsigned char* src, unsigned char* dst, u64s lo, u64s hi,
+                                           bool from_host) {
+  u64s at = lo;
+  if (((reinterpret_cast<std::uintptr_t>(src) | reinterpret_cast<std::uintptr_t>(dst)) & 15) == 0) {
+    const u64s n16 = (hi - lo) / 16;
+    const uint4* s = reinterpret_cast<const uint4*>(src + lo);
+    uint4* d = reinterpret_cast<uint4*>(dst + lo);
+    for (u64s k = threadIdx.x; k < n16; k += blockDim.x) {
+      uint4 v;
+      if (from_host) {
+        asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(s + k));
+      } else {
+        v = s[k];
+      }
+      d[k] = v;
+    }
+    at = lo + n16 * 16;
+  }
+  for (u64s k = at + threadIdx.x; k < hi; k += blockDim.x) {
+    dst[k] = from_host ? *reinterpret_cast<const volatile unsigned char*>(src + k) : src[k];
+  }
+}
+}  // namespace
+
+/// One block: copies the input (GPU) to host staging, then writes `value` to
+/// the operation's ready word (host memory the daemon polls). One block, so
+/// that no block has to learn that the others are done.
+extern "C" __global__ void __launch_bounds__(512)
+    collectived_stage_in(const unsigned char* src, unsigned char* dst, u64s bytes, u32* ready, u32 value) {
+  stage_copy(src, dst, 0, bytes, false);
+  // Every thread's stores reach host memory before the word says so.
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) store_release_u32(ready, value);
+}
+
+/// Copies the output from host staging to the GPU, after the stream's wait
+/// for the done word (cuStreamWaitValue32, not a spin here: a spinning kernel
+/// would hold its SMs, and where processes time-slice one GPU without MPS,
+/// its whole time slice, while the daemon is still exchanging).
+extern "C" __global__ void __launch_bounds__(512)
+    collectived_stage_out(const unsigned char* src, unsigned char* dst, u64s bytes) {
+  u64s lo, hi;
+  block_range(bytes, lo, hi);
+  stage_copy(src, dst, lo, hi, true);
+}

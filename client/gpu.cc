@@ -4,6 +4,7 @@
 //
 // Only the CUDA driver API is used, loaded at run time (engine/gpu/cuda_driver.h):
 // libcollective needs no CUDA toolkit to build and no driver to load.
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <sched.h>
@@ -11,6 +12,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <map>
 #include <optional>
 #include <cstdio>
 #include <thread>
@@ -103,7 +105,25 @@ struct GpuState {
     }
   }
 
+  /// The staging kernels (ClientStaging::Kernels) by context, loaded when a
+  /// communicator across nodes is made (gpu_comm_created), under gpu_mutex.
+  /// Not at an operation: cuModuleLoadData may wait for work queued on the
+  /// GPU, and a caller's stream may be waiting on something the caller does
+  /// only after the call (measured: gpu_test's late input hung in it).
+  struct StageModule {
+    cu::Module module = nullptr;
+    ClientStaging::Kernels kernels;
+  };
+  std::map<cu::Context, StageModule> stage_modules;
+  const ClientStaging::Kernels* stage_kernels(cu::Context ctx) const {
+    auto it = stage_modules.find(ctx);
+    return it == stage_modules.end() ? nullptr : &it->second.kernels;
+  }
+
   ~GpuState() {
+    for (auto& [ctx, m] : stage_modules) {
+      if (m.module != nullptr) cu->cuModuleUnload(m.module);  // an error: the context is gone, and the module with it
+    }
     stop = true;
     if (watchdog.joinable()) watchdog.join();
     if (flags == nullptr) return;
@@ -162,6 +182,47 @@ std::shared_ptr<GpuState> gpu_state(collective_client_t* client) {
   client->gpu = s;
   return s;
 }
+
+}  // namespace
+
+void gpu_comm_created(collective_comm_t* comm) noexcept {
+  if (comm_nodes(comm) < 2 || direct_fatbin().empty()) return;
+  // Only where the application uses CUDA already (the driver library is
+  // loaded and a context current): a host-only application never starts
+  // CUDA here.
+  if (void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD)) {
+    ::dlclose(lib);
+  } else {
+    return;
+  }
+  try {
+    std::shared_ptr<GpuState> s;
+    {
+      std::unique_ptr<CudaDriver> cu = CudaDriver::load();
+      cu::Context ctx = nullptr;
+      if (cu->cuCtxGetCurrent(&ctx) != cu::kSuccess || ctx == nullptr) return;
+    }
+    s = gpu_state(comm_client(comm));
+    if (s->client_stage_max == 0) return;  // the daemon stages everything
+    const CudaDriver& cu = *s->cu;
+    std::lock_guard lock(comm_client(comm)->gpu_mutex);
+    cu::Context ctx = nullptr;
+    if (cu.cuCtxGetCurrent(&ctx) != cu::kSuccess || ctx == nullptr || s->stage_modules.count(ctx) != 0) return;
+    GpuState::StageModule m;
+    const auto fat = direct_fatbin();
+    if (cu.cuModuleLoadData(&m.module, fat.data()) != cu::kSuccess) return;
+    if (cu.cuModuleGetFunction(&m.kernels.in, m.module, "collectived_stage_in") != cu::kSuccess ||
+        cu.cuModuleGetFunction(&m.kernels.out, m.module, "collectived_stage_out") != cu::kSuccess) {
+      cu.cuModuleUnload(m.module);
+      return;
+    }
+    s->stage_modules.emplace(ctx, m);
+  } catch (const std::exception&) {
+    // No GPU state here (no driver, a daemon without GPUs): the copies serve.
+  }
+}
+
+namespace {
 
 std::uint64_t attribute_u64(const CudaDriver& cu, int attr, const void* ptr, const char* what) {
   std::uint64_t v = 0;
@@ -394,10 +455,12 @@ class StreamSubmit final : public GpuSubmit {
     std::lock_guard tl(s.tickets_mu);
     ticket_ = s.tickets[word_] += tickets;
   }
+  /// The operation's ready word, as the GPU addresses it.
+  cu::DevicePtr ready_word() const { return s_->flags_dev + 4 * (kFlagWords + word_); }
   /// The caller's stream writes `value` to the operation's ready word.
   void mark_ready(std::uint32_t value) {
     const CudaDriver& cu = *s_->cu;
-    cu.check(cu.cuStreamWriteValue32(stream_, s_->flags_dev + 4 * (kFlagWords + word_), value,
+    cu.check(cu.cuStreamWriteValue32(stream_, ready_word(), value,
                                      cu::kStreamWriteValueDefault),
              "cuStreamWriteValue32 (marking the input ready)");
   }
@@ -422,12 +485,24 @@ class StreamSubmit final : public GpuSubmit {
       // the done word reached its value (all of it by the ticket): each is
       // copied back as soon as it is final, while the exchange goes on.
       const std::uint32_t k = out_pieces_;
+      // A small output (one piece) is copied by a kernel: a launch costs the
+      // stream less than a copy engine's transfer (ClientStaging::kKernelMaxBytes).
+      const ClientStaging::Kernels* kern = s_->stage_kernels(ctx_);
+      const bool by_kernel = kern != nullptr && k == 1 && copy_bytes_ <= ClientStaging::kKernelMaxBytes;
       for (std::uint32_t q = 0; q < k && r == cu::kSuccess; ++q) {
         r = cu.cuStreamWaitValue32(stream_, done, ipc::stage_piece_value(ticket_, k, q),
                                    cu::kStreamWaitValueGeq);
         const std::uint64_t at = q * out_piece_,
                             len = std::min(out_piece_, copy_bytes_ - std::min(at, copy_bytes_));
-        if (r == cu::kSuccess && len != 0) {
+        if (r != cu::kSuccess || len == 0) continue;
+        if (by_kernel) {
+          try {
+            staged_->staging->kernel_out(*kern, stream_, lease_, reinterpret_cast<cu::DevicePtr>(recv_), len);
+          } catch (const Error&) {
+            lock_.unlock();
+            throw;
+          }
+        } else {
           r = cu.cuMemcpyHtoDAsync(reinterpret_cast<cu::DevicePtr>(recv_) + at, lease_.recv + at,
                                    len, stream_);
           what = "copy of the output from host staging (cuMemcpyHtoDAsync)";
@@ -529,7 +604,14 @@ class StreamSubmit final : public GpuSubmit {
       out_pieces_ = static_cast<std::uint32_t>((recv_bytes + out_piece_ - 1) / out_piece_);
     }
     take_word(std::max(pieces, out_pieces_));
-    for (std::uint32_t q = 0; q < pieces && send_bytes > 0; ++q) {
+    const ClientStaging::Kernels* kern = s.stage_kernels(ctx_);
+    const bool k_in = kern != nullptr && pieces == 1 && send_bytes > 0 &&
+                      send_bytes <= ClientStaging::kKernelMaxBytes;
+    if (k_in) {
+      staged_->staging->kernel_in(*kern, stream_, reinterpret_cast<cu::DevicePtr>(send), lease_, send_bytes,
+                                  ready_word(), ticket_);
+    }
+    for (std::uint32_t q = 0; q < pieces && send_bytes > 0 && !k_in; ++q) {
       const std::uint64_t at = ((first + q) % pieces) * piece,
                           len = std::min(piece, send_bytes - at);
       cu.check(cu.cuMemcpyDtoHAsync(lease_.send + at, reinterpret_cast<cu::DevicePtr>(send) + at,
@@ -586,6 +668,16 @@ DirectComm* direct_for(collective_comm_t* comm, const std::shared_ptr<GpuState>&
     throw;
   }
   g.path = g.direct ? g.direct->description() : "daemon: " + why;
+  if (comm_nodes(comm) > 1 && s->client_stage_max != 0) {
+    bool kernels = false;
+    {
+      std::lock_guard l(comm_client(comm)->gpu_mutex);
+      kernels = s->stage_kernels(ctx) != nullptr;
+    }
+    g.path += "; up to " + std::to_string(s->client_stage_max) + " bytes per rank staged by this library" +
+              (kernels ? " (up to " + std::to_string(ClientStaging::kKernelMaxBytes) + " bytes by its staging kernels)"
+                       : " (by copy engines: no CUDA context was current when the communicator was made)");
+  }
   g.state = 2;
   return g.direct.get();
 }

@@ -651,11 +651,14 @@ struct Rank {
         COLLECTIVE_OK) {
       die("connect");
     }
+    // The GPU first, as NCCL wants (cudaSetDevice before ncclCommInitRank):
+    // a communicator made with the context current loads the library's
+    // staging kernels then (gpu_comm_created), not at a first operation.
+    buf_bytes = std::max<std::size_t>(o.max_bytes, 64);
+    if (o.gpu) gpu_setup();
     if (collective_comm_init_rank(client, &id, o.nranks, rank, &comm) != COLLECTIVE_OK) {
       die("comm_init_rank");
     }
-    buf_bytes = std::max<std::size_t>(o.max_bytes, 64);
-    if (o.gpu) gpu_setup();
     // -g: the host buffers only carry the results exchange and the node names.
     const std::size_t host_bytes =
         o.gpu ? std::max<std::size_t>(64, kNodeNameBytes * static_cast<std::size_t>(o.nranks))

@@ -44,9 +44,10 @@ void ClientStaging::allocate(std::uint64_t bytes, Block& b) {
     // Pinned for the copy engines: the stream's copies then run
     // asynchronously at full speed (pageable memory would be copied through
     // the driver's own bounce buffers, synchronously).
-    cu.check(cu.cuMemHostRegister(p, bytes, cu::kMemHostRegisterPortable),
+    cu.check(cu.cuMemHostRegister(p, bytes, cu::kMemHostRegisterPortable | cu::kMemHostRegisterDeviceMap),
              "cuMemHostRegister of " + std::to_string(bytes) + " bytes of host staging");
     b.registered = true;
+    cu.check(cu.cuMemHostGetDevicePointer(&b.dev, p, 0), "cuMemHostGetDevicePointer (host staging)");
     cu.check(cu.cuCtxGetCurrent(&b.ctx), "cuCtxGetCurrent");
     cu.check(cu.cuEventCreate(&b.used, cu::kEventDisableTiming), "cuEventCreate (staging)");
   } catch (...) {
@@ -105,6 +106,8 @@ ClientStaging::Lease ClientStaging::take(std::uint64_t send_bytes, std::uint64_t
   l.recv_offset = cur.offset + recv_at;
   l.send = cur.host + send_at;
   l.recv = cur.host + recv_at;
+  l.send_dev = cur.dev + send_at;
+  l.recv_dev = cur.dev + recv_at;
   return l;
 }
 
@@ -114,6 +117,28 @@ void ClientStaging::release(cu::Stream stream) {
   cu.check(cu.cuEventRecord(cur.used, stream), "cuEventRecord (host staging)");
   cur.recorded = true;
   turn_ ^= 1;
+}
+
+void ClientStaging::kernel_in(const Kernels& k, cu::Stream stream, cu::DevicePtr src, const Lease& l,
+                              std::uint64_t bytes, cu::DevicePtr ready, std::uint32_t value) {
+  unsigned long long n = bytes;
+  cu::DevicePtr dst = l.send_dev;
+  void* params[] = {&src, &dst, &n, &ready, &value};
+  // One block (the ready word follows every thread's stores).
+  cu_->check(cu_->cuLaunchKernel(k.in, 1, 1, 1, 512, 1, 1, 0, stream, params, nullptr),
+             "cuLaunchKernel (staging the input)");
+}
+
+void ClientStaging::kernel_out(const Kernels& k, cu::Stream stream, const Lease& l, cu::DevicePtr dst,
+                               std::uint64_t bytes) {
+  unsigned long long n = bytes;
+  cu::DevicePtr src = l.recv_dev;
+  void* params[] = {&src, &dst, &n};
+  // Reads from host memory wait a PCIe round trip each: several blocks keep
+  // more of them in flight (8 KiB each, at most 8).
+  const auto grid = static_cast<unsigned>(std::clamp<std::uint64_t>((bytes + 8191) / 8192, 1, 8));
+  cu_->check(cu_->cuLaunchKernel(k.out, grid, 1, 1, 512, 1, 1, 0, stream, params, nullptr),
+             "cuLaunchKernel (staging the output)");
 }
 
 }  // namespace collectived::client

@@ -45,6 +45,8 @@ class ClientStaging {
     std::uint64_t send_offset = 0, recv_offset = 0;
     std::byte* send = nullptr;
     std::byte* recv = nullptr;
+    /// The same memory as the GPU addresses it (kernels).
+    gpu::cu::DevicePtr send_dev = 0, recv_dev = 0;
   };
   /// Buffers for `send_bytes` of input and `recv_bytes` of output (one
   /// buffer for both where `one`: the host collective then runs in place).
@@ -52,6 +54,26 @@ class ClientStaging {
   /// outputs out (stream-ordered: the CPU never waits). The stream's context
   /// is current.
   Lease take(std::uint64_t send_bytes, std::uint64_t recv_bytes, bool one, gpu::cu::Stream stream);
+
+  /// Inputs and outputs up to this many bytes are moved by the staging
+  /// kernels (client/direct_kernels.cu) rather than by a copy engine and a
+  /// flag operation each: one kernel launch in place of two stream
+  /// operations per direction.
+  static constexpr std::uint64_t kKernelMaxBytes = 64 << 10;
+  /// The staging kernels, loaded in one context (client/gpu.cc,
+  /// gpu_comm_created).
+  struct Kernels {
+    gpu::cu::Function in = nullptr, out = nullptr;
+  };
+  /// On `stream`: copies `bytes` at `src` into the lease's input, then
+  /// writes `value` to the ready word at `ready`.
+  void kernel_in(const Kernels& k, gpu::cu::Stream stream, gpu::cu::DevicePtr src, const Lease& l,
+                 std::uint64_t bytes, gpu::cu::DevicePtr ready, std::uint32_t value);
+  /// On `stream`: copies `bytes` of the lease's output to `dst` (after the
+  /// stream's wait for the done word).
+  void kernel_out(const Kernels& k, gpu::cu::Stream stream, const Lease& l, gpu::cu::DevicePtr dst,
+                  std::uint64_t bytes);
+
   /// The operation's copies out are enqueued on `stream`: the block may be
   /// reused after them.
   void release(gpu::cu::Stream stream);
@@ -61,6 +83,7 @@ class ClientStaging {
     std::byte* host = nullptr;
     std::uint64_t bytes = 0;
     std::uint64_t handle = 0, offset = 0;  // the daemon's registration of `host`
+    gpu::cu::DevicePtr dev = 0;            // `host` as the GPU addresses it
     gpu::cu::Event used = nullptr;         // recorded after the last operation's copies out
     gpu::cu::Context ctx = nullptr;
     bool registered = false;  // with CUDA

@@ -1052,6 +1052,14 @@ TEST_CASE(
       cl.sockets(), std::min(g_gpus, 2),
       [](GpuRank& g) {
         int rc = matrix_body(g);
+        // The context was current at comm init: small buffers went through
+        // the library's staging kernels (the matrix's counts 1 and 1001), the
+        // others through copy engines (300000).
+        const std::string path = collective_comm_gpu_path(g.comm);
+        if (path.find("by its staging kernels") == std::string::npos) {
+          std::fprintf(stderr, "rank %d: gpu path: %s\n", g.rank, path.c_str());
+          rc = 7;
+        }
         std::string first;
         if (run_case(g, Kind::all_reduce, engine::DType::float32, engine::RedOp::sum, 16u << 20, 0,
                      false, 7, first) != 0) {
@@ -1091,6 +1099,11 @@ TEST_CASE("gpu: across nodes: two daemons joined by TCP, GPU buffers staged thro
   GpuCluster cl(2, {"log.level=debug", "gpu.client_stage_max_bytes=0"});
   const bool ok = with_ranks_on(cl.sockets(), std::min(g_gpus, 2), [](GpuRank& g) {
     int rc = matrix_body(g);
+    const std::string path = collective_comm_gpu_path(g.comm);
+    if (path.find("staged by this library") != std::string::npos) {
+      std::fprintf(stderr, "rank %d: gpu path: %s\n", g.rank, path.c_str());
+      rc = 7;
+    }
     // A large one: 64 MiB all-reduce crosses many staging and transfer chunks.
     std::string first;
     if (run_case(g, Kind::all_reduce, engine::DType::float32, engine::RedOp::sum, 16u << 20, 0, false, 7,
