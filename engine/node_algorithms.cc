@@ -110,7 +110,8 @@ constexpr std::uint64_t kOwnCopyAsyncBytes = std::uint64_t{256} << 10;
 /// than the part's pass.
 constexpr std::uint64_t kSplitReduceBytes = std::uint64_t{128} << 10;
 /// The smallest segment whose pairwise all-gather waits for ready to receive
-/// (Algorithms::all_gather_waits).
+/// (Algorithms::all_gather_waits), and the smallest broadcast whose chain does
+/// (Algorithms::broadcast_waits).
 constexpr std::uint64_t kAllGatherReadyBytes = std::uint64_t{512} << 10;
 /// The ring all-gather moves chunks this many times tcp.chunk_bytes (8 MiB by
 /// default; transfer_chunk: a segment below two of them goes whole). Each
@@ -208,9 +209,20 @@ class Algorithms {
   /// without the wait below 512 KiB, all-gathers of 256 KiB, 512 KiB and
   /// 1 MiB in all were 1.77x, 1.34x and 1.06x faster; with it at 512 KiB
   /// segments and above, 2 and 4 MiB were 1.12x and 1.20x faster than
-  /// without (4 rounds). Broadcast, whose root always runs ahead, keeps the
-  /// wait at every posted size (4 MiB: 1.8x).
+  /// without (4 rounds). Broadcast: broadcast_waits (4 MiB: 1.8x with it).
   bool all_gather_waits(std::uint64_t bytes) const {
+    return posted(bytes) && bytes >= kAllGatherReadyBytes;
+  }
+  /// Whether a chain broadcast's sender waits for its next node's ready
+  /// message: from kAllGatherReadyBytes too. The root runs ahead of the
+  /// others, whose previous operation ends after its; below that size the
+  /// wait's one-way trip costs more than the copy of an early message
+  /// saves. Measured (2 cores, 4 daemons x 1 rank, medians of 5 paired
+  /// rounds against the wait at every posted size): 128 KiB 1.40x and 256
+  /// KiB 1.14x faster without it; without it below 4 MiB instead, 1 MiB
+  /// 0.81x and 2 MiB 0.58x. On two H200 over TCP, the host path's broadcast
+  /// of 128 KiB took 53-65 us with the wait, NCCL on sockets 45-49.
+  bool broadcast_waits(std::uint64_t bytes) const {
     return posted(bytes) && bytes >= kAllGatherReadyBytes;
   }
 
@@ -581,7 +593,7 @@ class Algorithms {
       const auto [from, to] = chunk_span(bytes, c);
       ch_.post(prev, tag_of(base_, phase, 0, c), {buf + from, to - from});
     }
-    if (posted(bytes)) {
+    if (broadcast_waits(bytes)) {
       if (pos != 0) tell_ready(prev, phase);
       if (has_next) await_ready(next, phase);
     }
