@@ -166,18 +166,22 @@ TEST_CASE("a node that runs ahead waits until the receiver is ready: every chunk
   // arrived before the late node had posted its output, and were copied
   // from a fresh buffer instead (none placed).
   const std::string placed = "event=node_receive_placed";
+  // Three rounds of an int32 broadcast from rank 0, which submits at once;
+  // the others submit 150 ms later.
+  auto late_broadcasts = [](Cluster& cl, std::size_t count, std::uint64_t salt) {
+    run_layout(cl, {0, 1, 2}, count * 4 + 4096, [&](RankCtx& c) {
+      for (int round = 0; round < 3; ++round) {
+        if (c.rank != 0) std::this_thread::sleep_for(150ms);
+        run_case(c, Op::broadcast, COLLECTIVE_INT32, COLLECTIVE_SUM, count, round == 1, 0, salt + round);
+      }
+      return 0;
+    });
+  };
   SUBCASE("broadcast: the root is early") {
     Cluster cl(3, {"log.level=debug"});
     // int32: 2.67 MiB, between two and four 1 MiB chunks, so cut into four
     // of 684 KiB (engine::transfer_chunk), every chunk placeable.
-    const std::size_t count = 700001;
-    run_layout(cl, {0, 1, 2}, count * 4 + 4096, [&](RankCtx& c) {
-      for (int round = 0; round < 3; ++round) {
-        if (c.rank != 0) std::this_thread::sleep_for(150ms);
-        run_case(c, Op::broadcast, COLLECTIVE_INT32, COLLECTIVE_SUM, count, round == 1, 0, 11 + round);
-      }
-      return 0;
-    });
+    late_broadcasts(cl, 700001, 11);
     CHECK(count_of(cl.nodes[0].daemon->log(), placed) == 0);
     CHECK(count_of(cl.nodes[1].daemon->log(), placed) == 4 * 3);
     CHECK(count_of(cl.nodes[2].daemon->log(), placed) == 4 * 3);
@@ -188,14 +192,7 @@ TEST_CASE("a node that runs ahead waits until the receiver is ready: every chunk
     // broadcast_waits): node 1, 150 ms late, finds the 256 KiB chunk already
     // in, and copies it (none placed), while the operation stays correct.
     Cluster cl(3, {"log.level=debug"});
-    const std::size_t small = 65536;  // int32: 256 KiB, one placeable chunk
-    run_layout(cl, {0, 1, 2}, small * 4 + 4096, [&](RankCtx& c) {
-      for (int round = 0; round < 3; ++round) {
-        if (c.rank != 0) std::this_thread::sleep_for(150ms);
-        run_case(c, Op::broadcast, COLLECTIVE_INT32, COLLECTIVE_SUM, small, round == 1, 0, 31 + round);
-      }
-      return 0;
-    });
+    late_broadcasts(cl, 65536, 31);  // int32: 256 KiB, one placeable chunk
     CHECK(count_of(cl.nodes[1].daemon->log(), placed) == 0);
   }
   const std::size_t count = 400000;  // int32 per rank: 1 + 0.53 MiB
