@@ -43,7 +43,8 @@ void ClientStaging::allocate(std::uint64_t bytes, Block& b) {
     b.offset = o;
     // Pinned for the copy engines: the stream's copies then run
     // asynchronously at full speed (pageable memory would be copied through
-    // the driver's own bounce buffers, synchronously).
+    // the driver's own bounce buffers, synchronously). Mapped for the
+    // staging kernels, which read and write it over PCIe.
     cu.check(cu.cuMemHostRegister(p, bytes, cu::kMemHostRegisterPortable | cu::kMemHostRegisterDeviceMap),
              "cuMemHostRegister of " + std::to_string(bytes) + " bytes of host staging");
     b.registered = true;
