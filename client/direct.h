@@ -42,6 +42,26 @@ struct DirectPolicy {
 /// where libcollective was built without CUDA.
 std::span<const unsigned char> direct_fatbin();
 
+/// direct_fatbin() loaded as a module in the current context: a
+/// non-copyable owner, unloaded when it goes. `cu` must outlive it.
+class KernelModule {
+ public:
+  /// Null where it cannot be loaded (no fatbin, the driver refused).
+  /// cuModuleLoadData may wait for work queued on the GPU: call it where the
+  /// caller's streams cannot be waiting on the caller.
+  static std::unique_ptr<KernelModule> load(const gpu::CudaDriver& cu);
+  ~KernelModule();
+  KernelModule(const KernelModule&) = delete;
+  KernelModule& operator=(const KernelModule&) = delete;
+  /// The kernel `name` (an extern "C" name), or null where there is none.
+  gpu::cu::Function function(const char* name) const;
+
+ private:
+  KernelModule(const gpu::CudaDriver& cu, gpu::cu::Module m) : cu_(cu), module_(m) {}
+  const gpu::CudaDriver& cu_;
+  gpu::cu::Module module_;
+};
+
 /// Completion of an operation the client ran itself (the request's side).
 class LocalCompletion {
  public:

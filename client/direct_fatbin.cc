@@ -2,6 +2,8 @@
 // (.incbin of the file nvcc wrote at build time; see client/CMakeLists.txt).
 #include "client/direct.h"
 
+#include <memory>
+
 #ifdef COLLECTIVED_DIRECT_FATBIN
 // cuModuleLoadData wants the fatbin aligned; the symbols stay inside the library.
 asm(".section .rodata\n"
@@ -27,6 +29,22 @@ std::span<const unsigned char> direct_fatbin() {
 #else
   return {};
 #endif
+}
+
+std::unique_ptr<KernelModule> KernelModule::load(const gpu::CudaDriver& cu) {
+  const auto fat = direct_fatbin();
+  gpu::cu::Module m = nullptr;
+  if (fat.empty() || cu.cuModuleLoadData(&m, fat.data()) != gpu::cu::kSuccess) return nullptr;
+  return std::unique_ptr<KernelModule>(new KernelModule(cu, m));
+}
+
+KernelModule::~KernelModule() {
+  cu_.cuModuleUnload(module_);  // an error: the context is gone, and the module with it
+}
+
+gpu::cu::Function KernelModule::function(const char* name) const {
+  gpu::cu::Function f = nullptr;
+  return cu_.cuModuleGetFunction(&f, module_, name) == gpu::cu::kSuccess ? f : nullptr;
 }
 
 }  // namespace collectived::client

@@ -111,19 +111,16 @@ struct GpuState {
   /// GPU, and a caller's stream may be waiting on something the caller does
   /// only after the call (measured: gpu_test's late input hung in it).
   struct StageModule {
-    cu::Module module = nullptr;
+    std::unique_ptr<KernelModule> module;
     ClientStaging::Kernels kernels;
   };
-  std::map<cu::Context, StageModule> stage_modules;
+  std::map<cu::Context, StageModule> stage_modules;  // destroyed before `cu`
   const ClientStaging::Kernels* stage_kernels(cu::Context ctx) const {
     auto it = stage_modules.find(ctx);
     return it == stage_modules.end() ? nullptr : &it->second.kernels;
   }
 
   ~GpuState() {
-    for (auto& [ctx, m] : stage_modules) {
-      if (m.module != nullptr) cu->cuModuleUnload(m.module);  // an error: the context is gone, and the module with it
-    }
     stop = true;
     if (watchdog.joinable()) watchdog.join();
     if (flags == nullptr) return;
@@ -196,27 +193,32 @@ void gpu_comm_created(collective_comm_t* comm) noexcept {
     return;
   }
   try {
+    collective_client_t* client = comm_client(comm);
     std::shared_ptr<GpuState> s;
     {
+      std::lock_guard lock(client->gpu_mutex);
+      s = client->gpu;
+    }
+    if (!s) {
+      // The GPU state is made only with a context current (it registers its
+      // flag page with CUDA): a driver of our own to ask first.
       std::unique_ptr<CudaDriver> cu = CudaDriver::load();
       cu::Context ctx = nullptr;
       if (cu->cuCtxGetCurrent(&ctx) != cu::kSuccess || ctx == nullptr) return;
+      s = gpu_state(client);
     }
-    s = gpu_state(comm_client(comm));
     if (s->client_stage_max == 0) return;  // the daemon stages everything
     const CudaDriver& cu = *s->cu;
-    std::lock_guard lock(comm_client(comm)->gpu_mutex);
+    std::lock_guard lock(client->gpu_mutex);
     cu::Context ctx = nullptr;
     if (cu.cuCtxGetCurrent(&ctx) != cu::kSuccess || ctx == nullptr || s->stage_modules.count(ctx) != 0) return;
     GpuState::StageModule m;
-    const auto fat = direct_fatbin();
-    if (cu.cuModuleLoadData(&m.module, fat.data()) != cu::kSuccess) return;
-    if (cu.cuModuleGetFunction(&m.kernels.in, m.module, "collectived_stage_in") != cu::kSuccess ||
-        cu.cuModuleGetFunction(&m.kernels.out, m.module, "collectived_stage_out") != cu::kSuccess) {
-      cu.cuModuleUnload(m.module);
-      return;
-    }
-    s->stage_modules.emplace(ctx, m);
+    m.module = KernelModule::load(cu);
+    if (!m.module) return;
+    m.kernels.in = m.module->function("collectived_stage_in");
+    m.kernels.out = m.module->function("collectived_stage_out");
+    if (m.kernels.in == nullptr || m.kernels.out == nullptr) return;
+    s->stage_modules.emplace(ctx, std::move(m));
   } catch (const std::exception&) {
     // No GPU state here (no driver, a daemon without GPUs): the copies serve.
   }
