@@ -482,12 +482,7 @@ TEST_CASE(
   Daemon d;
   RawClient c(d.socket());
   REQUIRE(c.hello());
-  const auto comm = raw_comm_of_one(c, d.socket(), 3);
-  UniqueFd mem = sealed_memfd(8192);
-  auto reg = c.register_host(4, 8192, {mem.get()});
-  REQUIRE(reg);
-  REQUIRE(reg->message().isRegistered());
-  const std::uint64_t handle = reg->message().getRegistered().getHandle();
+  const auto [comm, handle] = raw_comm_with_memory(c, d.socket(), 3, 8192);
   {
     // A send/recv group never is (the daemon stages GPU send/recv itself).
     capnp::MallocMessageBuilder b;

@@ -425,11 +425,7 @@ TEST_CASE("buffers outside registrations are refused, in the client and in the d
   // The daemon's own check, with a client that lies about offsets.
   RawClient raw(d.socket());
   REQUIRE(raw.hello());
-  const auto comm = raw_comm_of_one(raw, d.socket(), 2);
-  UniqueFd mem = sealed_memfd(4096);
-  auto regd = raw.register_host(3, 4096, {mem.get()});
-  REQUIRE(regd);
-  const auto handle = regd->message().getRegistered().getHandle();
+  const auto [comm, handle] = raw_comm_with_memory(raw, d.socket(), 2, 4096);
   capnp::MallocMessageBuilder op;
   auto om = op.initRoot<wire::Message>();
   om.setId(4);

@@ -177,6 +177,18 @@ std::uint64_t raw_comm_of_one(RawClient& raw, const std::string& socket, std::ui
   return ready->message().getCommReady().getComm();
 }
 
+RawCommMemory raw_comm_with_memory(RawClient& raw, const std::string& socket, std::uint64_t id,
+                                   std::size_t bytes) {
+  RawCommMemory r;
+  r.comm = raw_comm_of_one(raw, socket, id);
+  UniqueFd mem = sealed_memfd(bytes);
+  auto reg = raw.register_host(id + 1, bytes, {mem.get()});
+  REQUIRE(reg);
+  REQUIRE(reg->message().isRegistered());
+  r.handle = reg->message().getRegistered().getHandle();
+  return r;
+}
+
 /// Runs `body(rank)` in `n` child processes; checks every one exits 0.
 void run_ranks(int n, const std::function<int(int)>& body, std::chrono::milliseconds timeout) {
   std::vector<std::unique_ptr<Child>> kids;

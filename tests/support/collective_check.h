@@ -54,6 +54,14 @@ class RawClient;
 /// A communicator of one rank made by `raw` (CommInit, request `id`) on the
 /// daemon at `socket`; returns its handle.
 std::uint64_t raw_comm_of_one(RawClient& raw, const std::string& socket, std::uint64_t id);
+/// raw_comm_of_one (request `id`), then a sealed memfd of `bytes` registered
+/// by `raw` (request `id` + 1; the daemon keeps its own descriptor).
+struct RawCommMemory {
+  std::uint64_t comm = 0;
+  std::uint64_t handle = 0;  // of the registration
+};
+RawCommMemory raw_comm_with_memory(RawClient& raw, const std::string& socket, std::uint64_t id,
+                                   std::size_t bytes);
 /// Runs `body(rank)` in `n` child processes; checks every one exits 0.
 void run_ranks(int n, const std::function<int(int)>& body,
                std::chrono::milliseconds timeout = std::chrono::seconds(120));
