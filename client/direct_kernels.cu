@@ -409,8 +409,8 @@ __device__ __forceinline__ void block_range(u64s bytes, u64s& lo, u64s& hi) {
 /// Copies [lo, hi) of src to dst; loads are volatile where `from_host`: host
 /// memory the daemon wrote after this kernel started must not come from a
 /// cache line an earlier kernel read.
-__device__ __forceinline__ void stage_copy(const unsigned char* src, unsigned char* dst, u64s lo, u64s hi,
-                                           bool from_host) {
+__device__ __forceinline__ void stage_copy(const unsigned char* src, unsigned char* dst, u64s lo,
+                                           u64s hi, bool from_host) {
   u64s at = lo;
   if (((reinterpret_cast<std::uintptr_t>(src) | reinterpret_cast<std::uintptr_t>(dst)) & 15) == 0) {
     const u64s n16 = (hi - lo) / 16;
@@ -439,7 +439,8 @@ __device__ __forceinline__ void stage_copy(const unsigned char* src, unsigned ch
 /// the operation's ready word (host memory the daemon polls). One block, so
 /// that no block has to learn that the others are done.
 extern "C" __global__ void __launch_bounds__(512)
-    collectived_stage_in(const unsigned char* src, unsigned char* dst, u64s bytes, u32* ready, u32 value) {
+    collectived_stage_in(const unsigned char* src, unsigned char* dst, u64s bytes, u32* ready,
+                         u32 value) {
   stage_copy(src, dst, 0, bytes, false);
   // Every thread's stores reach host memory before the word says so.
   __threadfence_system();

@@ -12,17 +12,17 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <map>
 #include <optional>
-#include <cstdio>
 #include <thread>
 #include <vector>
 
 #include "client/client_internal.h"
 #include "client/direct.h"
 #include "client/staging.h"
-#include "ipc/stage_pieces.h"
 #include "engine/gpu/cuda_driver.h"
+#include "ipc/stage_pieces.h"
 
 using namespace collectived;
 using namespace collectived::client;
@@ -211,7 +211,9 @@ void gpu_comm_created(collective_comm_t* comm) noexcept {
     const CudaDriver& cu = *s->cu;
     std::lock_guard lock(client->gpu_mutex);
     cu::Context ctx = nullptr;
-    if (cu.cuCtxGetCurrent(&ctx) != cu::kSuccess || ctx == nullptr || s->stage_modules.count(ctx) != 0) return;
+    if (cu.cuCtxGetCurrent(&ctx) != cu::kSuccess || ctx == nullptr ||
+        s->stage_modules.count(ctx) != 0)
+      return;
     GpuState::StageModule m;
     m.module = KernelModule::load(cu);
     if (!m.module) return;
@@ -462,8 +464,7 @@ class StreamSubmit final : public GpuSubmit {
   /// The caller's stream writes `value` to the operation's ready word.
   void mark_ready(std::uint32_t value) {
     const CudaDriver& cu = *s_->cu;
-    cu.check(cu.cuStreamWriteValue32(stream_, ready_word(), value,
-                                     cu::kStreamWriteValueDefault),
+    cu.check(cu.cuStreamWriteValue32(stream_, ready_word(), value, cu::kStreamWriteValueDefault),
              "cuStreamWriteValue32 (marking the input ready)");
   }
   void set_sync(wire::GpuSync::Builder g, std::uint64_t send_id, std::uint64_t recv_id) {
@@ -490,7 +491,8 @@ class StreamSubmit final : public GpuSubmit {
       // A small output (one piece) is copied by a kernel: a launch costs the
       // stream less than a copy engine's transfer (ClientStaging::kKernelMaxBytes).
       const ClientStaging::Kernels* kern = s_->stage_kernels(ctx_);
-      const bool by_kernel = kern != nullptr && k == 1 && copy_bytes_ <= ClientStaging::kKernelMaxBytes;
+      const bool by_kernel =
+          kern != nullptr && k == 1 && copy_bytes_ <= ClientStaging::kKernelMaxBytes;
       for (std::uint32_t q = 0; q < k && r == cu::kSuccess; ++q) {
         r = cu.cuStreamWaitValue32(stream_, done, ipc::stage_piece_value(ticket_, k, q),
                                    cu::kStreamWaitValueGeq);
@@ -499,7 +501,8 @@ class StreamSubmit final : public GpuSubmit {
         if (r != cu::kSuccess || len == 0) continue;
         if (by_kernel) {
           try {
-            staged_->staging->kernel_out(*kern, stream_, lease_, reinterpret_cast<cu::DevicePtr>(recv_), len);
+            staged_->staging->kernel_out(*kern, stream_, lease_,
+                                         reinterpret_cast<cu::DevicePtr>(recv_), len);
           } catch (const Error&) {
             lock_.unlock();
             throw;
@@ -610,8 +613,8 @@ class StreamSubmit final : public GpuSubmit {
     const bool k_in = kern != nullptr && pieces == 1 && send_bytes > 0 &&
                       send_bytes <= ClientStaging::kKernelMaxBytes;
     if (k_in) {
-      staged_->staging->kernel_in(*kern, stream_, reinterpret_cast<cu::DevicePtr>(send), lease_, send_bytes,
-                                  ready_word(), ticket_);
+      staged_->staging->kernel_in(*kern, stream_, reinterpret_cast<cu::DevicePtr>(send), lease_,
+                                  send_bytes, ready_word(), ticket_);
     }
     for (std::uint32_t q = 0; q < pieces && send_bytes > 0 && !k_in; ++q) {
       const std::uint64_t at = ((first + q) % pieces) * piece,
@@ -676,9 +679,13 @@ DirectComm* direct_for(collective_comm_t* comm, const std::shared_ptr<GpuState>&
       std::lock_guard l(comm_client(comm)->gpu_mutex);
       kernels = s->stage_kernels(ctx) != nullptr;
     }
-    g.path += "; up to " + std::to_string(s->client_stage_max) + " bytes per rank staged by this library" +
-              (kernels ? " (up to " + std::to_string(ClientStaging::kKernelMaxBytes) + " bytes by its staging kernels)"
-                       : " (by copy engines: no CUDA context was current when the communicator was made)");
+    g.path +=
+        "; up to " + std::to_string(s->client_stage_max) +
+        " bytes per rank staged by this library" +
+        (kernels
+             ? " (up to " + std::to_string(ClientStaging::kKernelMaxBytes) +
+                   " bytes by its staging kernels)"
+             : " (by copy engines: no CUDA context was current when the communicator was made)");
   }
   g.state = 2;
   return g.direct.get();

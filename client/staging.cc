@@ -45,10 +45,12 @@ void ClientStaging::allocate(std::uint64_t bytes, Block& b) {
     // asynchronously at full speed (pageable memory would be copied through
     // the driver's own bounce buffers, synchronously). Mapped for the
     // staging kernels, which read and write it over PCIe.
-    cu.check(cu.cuMemHostRegister(p, bytes, cu::kMemHostRegisterPortable | cu::kMemHostRegisterDeviceMap),
+    cu.check(cu.cuMemHostRegister(p, bytes,
+                                  cu::kMemHostRegisterPortable | cu::kMemHostRegisterDeviceMap),
              "cuMemHostRegister of " + std::to_string(bytes) + " bytes of host staging");
     b.registered = true;
-    cu.check(cu.cuMemHostGetDevicePointer(&b.dev, p, 0), "cuMemHostGetDevicePointer (host staging)");
+    cu.check(cu.cuMemHostGetDevicePointer(&b.dev, p, 0),
+             "cuMemHostGetDevicePointer (host staging)");
     cu.check(cu.cuCtxGetCurrent(&b.ctx), "cuCtxGetCurrent");
     cu.check(cu.cuEventCreate(&b.used, cu::kEventDisableTiming), "cuEventCreate (staging)");
   } catch (...) {
@@ -120,8 +122,9 @@ void ClientStaging::release(cu::Stream stream) {
   turn_ ^= 1;
 }
 
-void ClientStaging::kernel_in(const Kernels& k, cu::Stream stream, cu::DevicePtr src, const Lease& l,
-                              std::uint64_t bytes, cu::DevicePtr ready, std::uint32_t value) {
+void ClientStaging::kernel_in(const Kernels& k, cu::Stream stream, cu::DevicePtr src,
+                              const Lease& l, std::uint64_t bytes, cu::DevicePtr ready,
+                              std::uint32_t value) {
   unsigned long long n = bytes;
   cu::DevicePtr dst = l.send_dev;
   void* params[] = {&src, &dst, &n, &ready, &value};
@@ -130,8 +133,8 @@ void ClientStaging::kernel_in(const Kernels& k, cu::Stream stream, cu::DevicePtr
              "cuLaunchKernel (staging the input)");
 }
 
-void ClientStaging::kernel_out(const Kernels& k, cu::Stream stream, const Lease& l, cu::DevicePtr dst,
-                               std::uint64_t bytes) {
+void ClientStaging::kernel_out(const Kernels& k, cu::Stream stream, const Lease& l,
+                               cu::DevicePtr dst, std::uint64_t bytes) {
   unsigned long long n = bytes;
   cu::DevicePtr src = l.recv_dev;
   void* params[] = {&src, &dst, &n};

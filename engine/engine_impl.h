@@ -19,11 +19,11 @@
 #include "engine/engine.h"
 #include "engine/fiber.h"
 #include "engine/gpu/executor.h"
-#include "ipc/stage_pieces.h"
 #include "engine/node_algorithms.h"
 #include "engine/plan.h"
 #include "engine/transport/transport.h"
 #include "engine/worker_pool.h"
+#include "ipc/stage_pieces.h"
 
 namespace collectived::engine {
 

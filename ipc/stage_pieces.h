@@ -18,13 +18,15 @@ inline constexpr std::uint64_t kStagePieceAlign = std::uint64_t{64} << 10;
 /// kStagePieceMin, in whole kStagePieceAlign (one piece where `total` is no
 /// larger than the minimum).
 constexpr std::uint64_t stage_piece_bytes(std::uint64_t total) {
-  return std::max(kStagePieceMin, (total / 8 + kStagePieceAlign - 1) / kStagePieceAlign * kStagePieceAlign);
+  return std::max(kStagePieceMin,
+                  (total / 8 + kStagePieceAlign - 1) / kStagePieceAlign * kStagePieceAlign);
 }
 
 /// The value a flag word takes once the q-th of `pieces` pieces of an
 /// operation holding `ticket` is done: the last piece's is the ticket (the
 /// client takes `pieces` tickets of the word for it).
-constexpr std::uint32_t stage_piece_value(std::uint32_t ticket, std::uint32_t pieces, std::uint32_t q) {
+constexpr std::uint32_t stage_piece_value(std::uint32_t ticket, std::uint32_t pieces,
+                                          std::uint32_t q) {
   return ticket - (pieces - 1) + q;
 }
 

@@ -172,7 +172,8 @@ TEST_CASE("a node that runs ahead waits until the receiver is ready: every chunk
     run_layout(cl, {0, 1, 2}, count * 4 + 4096, [&](RankCtx& c) {
       for (int round = 0; round < 3; ++round) {
         if (c.rank != 0) std::this_thread::sleep_for(150ms);
-        run_case(c, Op::broadcast, COLLECTIVE_INT32, COLLECTIVE_SUM, count, round == 1, 0, salt + round);
+        run_case(c, Op::broadcast, COLLECTIVE_INT32, COLLECTIVE_SUM, count, round == 1, 0,
+                 salt + round);
       }
       return 0;
     });
@@ -186,7 +187,9 @@ TEST_CASE("a node that runs ahead waits until the receiver is ready: every chunk
     CHECK(count_of(cl.nodes[1].daemon->log(), placed) == 4 * 3);
     CHECK(count_of(cl.nodes[2].daemon->log(), placed) == 4 * 3);
   }
-  SUBCASE("broadcast below 512 KiB: the root does not wait, its chunk lands before the late node posts") {
+  SUBCASE(
+      "broadcast below 512 KiB: the root does not wait, its chunk lands before the late node "
+      "posts") {
     // Below kAllGatherReadyBytes the one-way trip of the ready message costs
     // more than copying an early message (node_algorithms.cc,
     // broadcast_waits): node 1, 150 ms late, finds the 256 KiB chunk already

@@ -25,11 +25,11 @@
 
 #include "engine/gpu/cuda_driver.h"
 #include "engine/gpu/executor.h"
-#include "ipc/stage_pieces.h"
 #include "engine/gpu/kernels.h"
 #include "engine/gpu/mps.h"
 #include "engine/host_mapping.h"
 #include "engine/log.h"
+#include "ipc/stage_pieces.h"
 
 namespace collectived::engine::gpu {
 
@@ -345,7 +345,9 @@ class Sync final : public RankSync {
   /// Staged by the client in `pieces` pieces of `piece_bytes`: its stream
   /// writes this value once piece q is in its host staging (the last piece's
   /// is the ticket).
-  std::uint32_t piece_value(std::uint32_t q) const { return ipc::stage_piece_value(ticket, pieces, q); }
+  std::uint32_t piece_value(std::uint32_t q) const {
+    return ipc::stage_piece_value(ticket, pieces, q);
+  }
   std::uint32_t pieces = 1;
   std::uint64_t piece_bytes = 0;
   std::uint32_t piece_first = 0;  // copied from this piece on, wrapping around
