@@ -138,6 +138,16 @@ void adopt(collective_comm& c, wire::CommReady::Reader ready) {
   c.name = ready.getName().cStr();
 }
 
+/// Runs `fn`, naming the communicator (and this rank) in an error it throws.
+template <typename Fn>
+void on_comm(const collective_comm& c, Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    throw Error(e.code(), "on " + c.where() + ": " + e.what());
+  }
+}
+
 collective_result_t submit(collective_comm_t* comm, wire::OpKind kind, const void* send,
                            std::uint64_t send_bytes, void* recv, std::uint64_t recv_bytes,
                            std::size_t count, collective_dtype_t dtype, collective_redop_t redop,
@@ -161,7 +171,7 @@ collective_result_t submit(collective_comm_t* comm, wire::OpKind kind, const voi
     c.setRedop(static_cast<std::uint8_t>(redop));
     c.setCount(count);
     c.setRoot(root);
-    try {
+    on_comm(*comm, [&] {
       if (gpu != nullptr) {
         gpu->fill(c, send, send_bytes, recv, recv_bytes);
       } else if (send_bytes > 0) {
@@ -174,12 +184,10 @@ collective_result_t submit(collective_comm_t* comm, wire::OpKind kind, const voi
         c.getRecv().setHandle(h);
         c.getRecv().setOffset(o);
       }
-    } catch (const Error& e) {
-      throw Error(e.code(), "on " + comm->where() + ": " + e.what());
-    }
+    });
     Connection& conn = *comm->client->conn;
     const std::uint64_t id = conn.send_request(b, {}, Clock::now() + kControlTimeout);
-    if (gpu != nullptr) gpu->sent();
+    if (gpu != nullptr) on_comm(*comm, [&] { gpu->sent(); });
     if (request == nullptr) {
       conn.abandon(id);  // fire and forget (stream-ordered): the reply is dropped
       return;
@@ -243,14 +251,10 @@ collective_result_t submit_gpu_group(collective_comm_t* comm, collective_request
       list[i].setDtype(items[i].dtype);
       bufs.emplace_back(items[i].gpu, items[i].gpu ? items[i].bytes : 0);
     }
-    try {
-      gpu->fill_group(g, bufs);
-    } catch (const Error& e) {
-      throw Error(e.code(), "on " + comm->where() + ": " + e.what());
-    }
+    on_comm(*comm, [&] { gpu->fill_group(g, bufs); });
     Connection& conn = *comm->client->conn;
     const std::uint64_t id = conn.send_request(b, {}, Clock::now() + kControlTimeout);
-    gpu->sent();
+    on_comm(*comm, [&] { gpu->sent(); });
     if (request == nullptr) {
       conn.abandon(id);
       return;
