@@ -457,15 +457,17 @@ TEST_CASE("a transfer of two to four chunks is cut into four, the same on both e
 }
 
 TEST_CASE("a pairwise reduce-scatter segment of one chunk is reduced in parts at once") {
-  // Default options: 1 MiB chunks, so every segment below is one chunk of
-  // 256 KiB or more, which reduce_split cuts in parts where parallelism > 1.
+  // Default options: 1 MiB chunks (a segment below 2 MiB goes whole). Each
+  // node with one rank has a segment of one chunk of 1 MiB or more, which
+  // reduce_split cuts in parts of kSplitReduceBytes (512 KiB) or more where
+  // parallelism > 1; a node with two ranks has chunks reduced on the pool.
   NodeAlgorithmOptions o;
   const std::vector<std::vector<int>> layouts = {{0, 1}, {0, 1, 2}, {1, 0, 1}};
   for (const auto& layout : layouts) {
     for (OpKind k : {OpKind::all_reduce, OpKind::reduce_scatter}) {
       // all-reduce: segments of count x 4 / nodes bytes; reduce-scatter: of
       // count x 4 per rank of the node.
-      const std::uint64_t count = k == OpKind::all_reduce ? 200003 : 70001;
+      const std::uint64_t count = k == OpKind::all_reduce ? 800003 : 270001;
       for (bool in_place : {false, true}) {
         for (RedOp op : {RedOp::sum, RedOp::max, RedOp::avg}) {
           for (int parallelism : {1, 2, 5}) {
