@@ -108,13 +108,15 @@ constexpr std::uint64_t kOwnCopyAsyncBytes = std::uint64_t{256} << 10;
 /// The smallest part of a one-chunk reduction that goes to the worker pool
 /// (Algorithms::pairwise_reduce_scatter): below it the hand-off costs more
 /// than the part's pass. Waking a sleeping worker costs tens of microseconds
-/// on a virtual machine, about a 128 KiB pass: measured on 2 H200 (2 daemons
-/// over TCP, one rank each, 3 interleaved rounds, medians), 512 KiB
-/// reduce-scatters (256 KiB segments) went from 225 to 167 us staged (1.45x)
-/// and 153 to 113 us on host buffers (1.36x) reduced inline instead of in two
-/// 128 KiB parts. From 512 KiB segments the parts still pay (docs/gpu.md,
-/// sixteenth run: staged all-reduce 1 MiB 1.07-1.37x faster in parts).
-constexpr std::uint64_t kSplitReduceBytes = std::uint64_t{256} << 10;
+/// on a virtual machine. Measured on 2 H200 (2 daemons over TCP, one rank
+/// each, interleaved rounds, medians; docs/gpu-bench-h200x2-run21.txt E, J):
+/// 512 KiB reduce-scatters (256 KiB segments) went from 225 to 167 us staged
+/// (1.45x) and 153 to 113 us on host buffers (1.36x) reduced inline instead
+/// of in two 128 KiB parts; 512 KiB segments (all-reduce and reduce-scatter 1
+/// MiB) were 1.06-1.14x faster inline than in two 256 KiB parts (at the edge
+/// of the noise: unchanged cells moved 0.94-1.06x), 1 MiB ones within it. (The sixteenth run had found 512 KiB segments faster in
+/// 128 KiB parts than inline, 1.07-1.37x; not seen again.)
+constexpr std::uint64_t kSplitReduceBytes = std::uint64_t{512} << 10;
 /// The smallest segment whose pairwise all-gather waits for ready to receive
 /// (Algorithms::all_gather_waits), and the smallest broadcast whose chain does
 /// (Algorithms::broadcast_waits).

@@ -459,7 +459,7 @@ TEST_CASE("a transfer of two to four chunks is cut into four, the same on both e
 TEST_CASE("a pairwise reduce-scatter segment of one chunk is reduced in parts at once") {
   // Default options: 1 MiB chunks (a segment below 2 MiB goes whole). Each
   // node with one rank has a segment of one chunk of 1 MiB or more, which
-  // reduce_split cuts in parts of kSplitReduceBytes (256 KiB) or more where
+  // reduce_split cuts in parts of kSplitReduceBytes (512 KiB) or more where
   // parallelism > 1; a node with two ranks has chunks reduced on the pool.
   NodeAlgorithmOptions o;
   const std::vector<std::vector<int>> layouts = {{0, 1}, {0, 1, 2}, {1, 0, 1}};
