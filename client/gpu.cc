@@ -579,7 +579,7 @@ class StreamSubmit final : public GpuSubmit {
     std::uint32_t pieces = 1, first = 0;
     if (send_bytes > ipc::kStagePieceMin) {
       piece = ipc::stage_piece_bytes(send_bytes);
-      pieces = static_cast<std::uint32_t>((send_bytes + piece - 1) / piece);
+      pieces = ipc::stage_piece_count(send_bytes, piece);
       first = static_cast<std::uint32_t>(std::min<std::uint64_t>(first_byte_ / piece, pieces - 1));
     }
     lease_ = staged_->staging->take(send_bytes, recv_bytes, one, stream_);
@@ -606,7 +606,7 @@ class StreamSubmit final : public GpuSubmit {
       }
     } else if (recv_bytes > ipc::kStagePieceMin) {
       out_piece_ = ipc::stage_piece_bytes(recv_bytes);
-      out_pieces_ = static_cast<std::uint32_t>((recv_bytes + out_piece_ - 1) / out_piece_);
+      out_pieces_ = ipc::stage_piece_count(recv_bytes, out_piece_);
     }
     take_word(std::max(pieces, out_pieces_));
     const ClientStaging::Kernels* kern = s.stage_kernels(ctx_);

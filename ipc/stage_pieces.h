@@ -14,12 +14,20 @@ namespace collectived::ipc {
 inline constexpr std::uint64_t kStagePieceMin = std::uint64_t{512} << 10;
 inline constexpr std::uint64_t kStagePieceAlign = std::uint64_t{64} << 10;
 
-/// Bytes per piece of `total` staged bytes: an eighth, at least
-/// kStagePieceMin, in whole kStagePieceAlign (one piece where `total` is no
-/// larger than the minimum).
+/// Bytes per piece of `total` staged bytes: an eighth (rounded down, then up
+/// to whole kStagePieceAlign: 8 or 9 pieces), at least kStagePieceMin (one
+/// piece where `total` is no larger than the minimum).
 constexpr std::uint64_t stage_piece_bytes(std::uint64_t total) {
   return std::max(kStagePieceMin,
                   (total / 8 + kStagePieceAlign - 1) / kStagePieceAlign * kStagePieceAlign);
+}
+
+/// How many pieces of `piece` bytes hold `total` staged bytes (at least one:
+/// an empty input still has its ready mark).
+constexpr std::uint32_t stage_piece_count(std::uint64_t total, std::uint64_t piece) {
+  return piece == 0
+             ? 1
+             : static_cast<std::uint32_t>(std::max<std::uint64_t>(1, (total + piece - 1) / piece));
 }
 
 /// The value a flag word takes once the q-th of `pieces` pieces of an

@@ -875,7 +875,7 @@ class CudaExecutor final : public GpuExecutor {
         const auto* cs = static_cast<const Sync*>(op.sync[r].get());
         const std::uint64_t in = op.send[r].bytes;
         if (cs->pieces > 1 &&
-            (in == 0 || (in + cs->piece_bytes - 1) / cs->piece_bytes != cs->pieces)) {
+            (in == 0 || ipc::stage_piece_count(in, cs->piece_bytes) != cs->pieces)) {
           throw Error(Code::invalid_argument, op.who[r] + " staged an input of " +
                                                   std::to_string(in) + " bytes in " +
                                                   std::to_string(cs->pieces) + " pieces of " +
@@ -987,8 +987,7 @@ class CudaExecutor final : public GpuExecutor {
       const bool waits_only = op.kind == OpKind::broadcast && in_bytes == 0 && op.count != 0;
       if (uniform && (in_bytes != 0 || waits_only)) {
         piece = op.in_piece_bytes;
-        pieces =
-            std::max<std::uint32_t>(1, static_cast<std::uint32_t>((in_bytes + piece - 1) / piece));
+        pieces = ipc::stage_piece_count(in_bytes, piece);
         st->in = std::make_shared<InPieces>();
         st->in->piece = piece;
         st->in->count = pieces;
