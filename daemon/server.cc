@@ -18,6 +18,7 @@
 
 #include "config/profile_diff.h"
 #include "daemon/comm_status.h"
+#include "engine/transport/transport.h"
 #include "ipc/error.h"
 #include "ipc/version.h"
 
@@ -58,10 +59,16 @@ engine::NodeAlgorithmOptions node_algorithms(const config::Profile& p) {
   o.algorithm = p.collectives.algorithm;
   o.direct_max_bytes = p.collectives.direct_max_bytes;
   o.pairwise_max_nodes = static_cast<int>(p.collectives.pairwise_max_nodes);
-  // A transfer chunk plus its engine header must fit one TCP chunk: a message
-  // one header over tcp.chunk_bytes would travel as two frames and be
-  // reassembled (a zero-fill and a copy more) on the other side.
-  o.chunk_bytes = p.tcp.chunk_bytes > 8192 ? p.tcp.chunk_bytes - 4096 : p.tcp.chunk_bytes / 2;
+  // A transfer chunk and its engine header must travel as one TCP chunk: a
+  // message one header over tcp.chunk_bytes would go as two and be
+  // reassembled (a zero-fill and a copy more) on the other side. From
+  // kPlaceMinBytes of payload the header (a few hundred bytes) travels in
+  // the chunk's frame and only the payload counts (peer_link.cc, protocol
+  // 3), so the chunk is tcp.chunk_bytes itself: a 1 MiB segment goes as one
+  // chunk, not 1020 + 4 KiB. Smaller chunks keep room for the header.
+  o.chunk_bytes = p.tcp.chunk_bytes >= engine::kPlaceMinBytes ? p.tcp.chunk_bytes
+                  : p.tcp.chunk_bytes > 8192                  ? p.tcp.chunk_bytes - 4096
+                                                              : p.tcp.chunk_bytes / 2;
   return o;
 }
 
