@@ -114,8 +114,9 @@ constexpr std::uint64_t kOwnCopyAsyncBytes = std::uint64_t{256} << 10;
 /// (1.45x) and 153 to 113 us on host buffers (1.36x) reduced inline instead
 /// of in two 128 KiB parts; 512 KiB segments (all-reduce and reduce-scatter 1
 /// MiB) were 1.06-1.14x faster inline than in two 256 KiB parts (at the edge
-/// of the noise: unchanged cells moved 0.94-1.06x), 1 MiB ones within it. (The sixteenth run had found 512 KiB segments faster in
-/// 128 KiB parts than inline, 1.07-1.37x; not seen again.)
+/// of the noise: unchanged cells moved 0.94-1.06x), 1 MiB ones within it.
+/// (The sixteenth run had found 512 KiB segments faster in 128 KiB parts
+/// than inline, 1.07-1.37x; not seen again.)
 constexpr std::uint64_t kSplitReduceBytes = std::uint64_t{512} << 10;
 /// The smallest segment whose pairwise all-gather waits for ready to receive
 /// (Algorithms::all_gather_waits), and the smallest broadcast whose chain does
