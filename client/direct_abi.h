@@ -43,7 +43,7 @@
 namespace collectived::client::direct {
 
 inline constexpr int kMaxRanks = 8;
-inline constexpr int kMaxBlocks = 64;
+inline constexpr int kMaxBlocks = 128;
 inline constexpr int kThreads = 512;
 inline constexpr int kSlots = 2;
 
