@@ -3,10 +3,18 @@
 and size, ours, MPI and Gloo busbw (medians over the rounds, out-of-place) as a
 fraction of what a ring can move over loopback TCP on this machine with no
 computation at all, and what the 1.5x Gloo goal would need (>= 1x MPI needs
-the mpi column itself). A goal above 1.00 of the ceiling cannot be met by any implementation that
-moves the ring's bytes over TCP here.
+the mpi column itself).
 
-usage: ceiling.py OURS MPI GLOO TCP_RING   (nccl-tests tables; tcp-ring's output)
+With TCP_RING_COLD (tcp-ring -o 1: sends and reads at their offsets in
+buffers of the bytes streamed, as a collective's input and output are), the
+fractions are of that ceiling, and "bound" is the most any implementation
+moving the collective's bytes over TCP can reach on a machine whose CPUs
+are the limit (4 processes on 2 cores): 1 for all-reduce, all-gather and
+reduce-scatter (the ring's bytes), N/(N-1) for broadcast and reduce (N-1
+transfers of the size in all, where the ring moves N streams). A need above
+the bound cannot be met here by any implementation; those cells end in "!".
+
+usage: ceiling.py OURS MPI GLOO TCP_RING [TCP_RING_COLD]   (nccl-tests tables; tcp-ring's output)
 """
 import statistics
 import sys
@@ -32,19 +40,39 @@ def med(tables, op, size):
     return statistics.median(r["out"]["busbw"] for r in rows)
 
 
+def bound(op, nranks):
+    return nranks / (nranks - 1) if op in ("broadcast", "reduce") else 1.0
+
+
 def main(argv):
-    if len(argv) != 5:
+    if len(argv) not in (5, 6):
         print(__doc__, file=sys.stderr)
         return 2
     ours, _ = compare.parse(argv[1])
     mpi, _ = compare.parse(argv[2])
     gloo, _ = compare.parse(argv[3])
-    ceiling = ring_table(argv[4])
-    print("# busbw as a fraction of the loopback TCP ceiling (tcp-ring: a ring streaming the same bytes, no compute)")
+    hot = ring_table(argv[4])
+    cold = ring_table(argv[5]) if len(argv) == 6 else None
+    nranks = 4
+    with open(argv[4]) as fh:
+        for line in fh:
+            if line.startswith("# tcp-ring:"):
+                nranks = int(line.split()[2])
+                break
+    if cold:
+        print("# busbw as a fraction of the loopback TCP ceiling with buffers of the bytes streamed (tcp-ring -o 1);"
+              " 'hot': the same ring reading into one cache-hot piece; ! = the need is above the bound")
+    else:
+        print("# busbw as a fraction of the loopback TCP ceiling (tcp-ring: a ring streaming the same bytes, no compute)")
     f = lambda v: "-" if v is None else f"{v:.2f}"
+    ceiling = cold or hot
     for op in sorted(set(ours) | set(mpi) | set(gloo)):
         print(f"\n## {op}")
-        print(f"{'size':>12} {'ceiling':>8} {'ours':>6} {'mpi':>6} {'gloo':>6} {'need(1.5gloo)':>14}")
+        if cold:
+            print(f"{'size':>12} {'hot':>6} {'ceiling':>8} {'ours':>6} {'mpi':>6} {'gloo':>6} {'need(1.5gloo)':>14} "
+                  f"{'bound':>6}")
+        else:
+            print(f"{'size':>12} {'ceiling':>8} {'ours':>6} {'mpi':>6} {'gloo':>6} {'need(1.5gloo)':>14}")
         for size in sorted(ceiling):
             c = ceiling[size]
             o, m, g = med(ours, op, size), med(mpi, op, size), med(gloo, op, size)
@@ -53,7 +81,13 @@ def main(argv):
             # Small sizes print a busbw of 0.00: no fraction there.
             div = lambda v: None if v is None or c <= 0 else v / c
             need_g = None if g is None or c <= 0 else 1.5 * g / c
-            print(f"{size:>12} {c:>8.2f} {f(div(o)):>6} {f(div(m)):>6} {f(div(g)):>6} {f(need_g):>14}")
+            if cold:
+                b = bound(op, nranks)
+                mark = "!" if need_g is not None and need_g > b else " "
+                print(f"{size:>12} {hot.get(size, 0):>6.2f} {c:>8.2f} {f(div(o)):>6} {f(div(m)):>6} {f(div(g)):>6} "
+                      f"{f(need_g):>13}{mark} {b:>6.2f}")
+            else:
+                print(f"{size:>12} {c:>8.2f} {f(div(o)):>6} {f(div(m)):>6} {f(div(g)):>6} {f(need_g):>14}")
     return 0
 
 

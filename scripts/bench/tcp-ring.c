@@ -10,7 +10,11 @@
  * beat on this machine; it bounds collective-perf, Open MPI and Gloo alike.
  * (All-gather and reduce-scatter move (N-1)/N * S per node: the same rate.)
  *
- * usage: tcp-ring [-t N] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-p PIECE] [-s SOCKBUF]
+ * With -o 1, sends read from and reads land at their offset in buffers of
+ * the bytes streamed, as a collective's input and output are, instead of
+ * one cache-hot piece: what moving the bytes costs a real collective.
+ *
+ * usage: tcp-ring [-t N] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-p PIECE] [-s SOCKBUF] [-o 0|1]
  * Only loopback addresses are used. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -49,6 +53,8 @@ static void die(const char* what) {
 }
 
 /* Streams `bytes` out on `out` and in on `in` at the same time. */
+static int spread;  // -o 1: buffers of the streamed size, offset by what moved
+
 static void stream(int out, int in, uint64_t bytes, char* sbuf, char* rbuf, size_t piece) {
   uint64_t sent = 0, got = 0;
   while (sent < bytes || got < bytes) {
@@ -56,13 +62,13 @@ static void stream(int out, int in, uint64_t bytes, char* sbuf, char* rbuf, size
     if (poll(p, 2, 10000) <= 0) die("poll (10 s without progress)");
     if (p[0].revents & POLLOUT) {
       size_t n = bytes - sent < piece ? bytes - sent : piece;
-      ssize_t w = send(out, sbuf, n, MSG_DONTWAIT | MSG_NOSIGNAL);
+      ssize_t w = send(out, spread ? sbuf + sent : sbuf, n, MSG_DONTWAIT | MSG_NOSIGNAL);
       if (w < 0 && errno != EAGAIN) die("send");
       if (w > 0) sent += (uint64_t)w;
     }
     if (p[1].revents & (POLLIN | POLLHUP | POLLERR)) {
       size_t n = bytes - got < piece ? bytes - got : piece;
-      ssize_t r = recv(in, rbuf, n, MSG_DONTWAIT);
+      ssize_t r = recv(in, spread ? rbuf + got : rbuf, n, MSG_DONTWAIT);
       if (r == 0) {
         fprintf(stderr, "tcp-ring: left neighbour closed\n");
         exit(1);
@@ -85,10 +91,12 @@ int main(int argc, char** argv) {
     else if (!strcmp(argv[i], "-w")) warmup = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "-p")) piece_bytes = parse_size(argv[i + 1]);
     else if (!strcmp(argv[i], "-s")) sockbuf = parse_size(argv[i + 1]);
+    else if (!strcmp(argv[i], "-o")) spread = atoi(argv[i + 1]);
     else {
       fprintf(stderr,
               "usage: tcp-ring [-t N] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP]\n"
-              "                [-p PIECE (bytes per send/recv call, 1M)] [-s SOCKBUF (SO_SNDBUF/SO_RCVBUF, kernel default)]\n");
+              "                [-p PIECE (bytes per send/recv call, 1M)] [-s SOCKBUF (SO_SNDBUF/SO_RCVBUF, kernel default)]\n"
+              "                [-o 1 (buffers of the streamed size, as a collective's; 0: one cache-hot piece)]\n");
       return 2;
     }
   }
@@ -137,12 +145,16 @@ int main(int argc, char** argv) {
     setsockopt(in, SOL_SOCKET, SO_RCVBUF, &b, sizeof b);
   }
   const size_t piece = (size_t)piece_bytes;
-  char* sbuf = malloc(piece);
-  char* rbuf = malloc(piece);
-  memset(sbuf, 1, piece);
-  memset(rbuf, 0, piece);
+  /* -o 1: room for the most bytes streamed (2 (n-1)/n x MAX), touched once. */
+  const size_t room = spread ? (size_t)(2 * (uint64_t)(n - 1) * (maxb / (uint64_t)n)) + piece : piece;
+  char* sbuf = malloc(room);
+  char* rbuf = malloc(room);
+  if (sbuf == NULL || rbuf == NULL) die("malloc");
+  memset(sbuf, 1, room);
+  memset(rbuf, 0, room);
   if (rank == 0) {
-    printf("# tcp-ring: %d processes on 127.0.0.2.., ring all-reduce bytes per node, no compute\n", n);
+    printf("# tcp-ring: %d processes on 127.0.0.2.., ring all-reduce bytes per node, no compute%s\n", n,
+           spread ? ", buffers of the streamed size" : "");
     printf("# %12s %12s %10s %10s\n", "size", "bytes/node", "time(us)", "busbw");
   }
   for (uint64_t s = minb; s <= maxb; s *= factor) {
