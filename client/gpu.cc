@@ -508,8 +508,18 @@ class StreamSubmit final : public GpuSubmit {
             throw;
           }
         } else {
-          r = cu.cuMemcpyHtoDAsync(reinterpret_cast<cu::DevicePtr>(recv_) + at, lease_.recv + at,
-                                   len, stream_);
+          // Around the rank's own block where the GPU has it already.
+          const std::uint64_t end = at + len;
+          std::pair<std::uint64_t, std::uint64_t> parts[2] = {{at, end}, {end, end}};
+          if (own_hi_ > own_lo_ && own_lo_ < end && at < own_hi_) {
+            parts[0] = {at, std::max(at, own_lo_)};
+            parts[1] = {std::min(end, own_hi_), end};
+          }
+          for (const auto& [lo, hi] : parts) {
+            if (hi <= lo || r != cu::kSuccess) continue;
+            r = cu.cuMemcpyHtoDAsync(reinterpret_cast<cu::DevicePtr>(recv_) + lo, lease_.recv + lo,
+                                     hi - lo, stream_);
+          }
           what = "copy of the output from host staging (cuMemcpyHtoDAsync)";
         }
       }
@@ -551,8 +561,23 @@ class StreamSubmit final : public GpuSubmit {
     // input is read once and their output has its size, so the host
     // collective copies nothing from one to the other.
     const auto kind = c.asReader().getKind();
-    const bool one = (kind == wire::OpKind::ALL_REDUCE || kind == wire::OpKind::BROADCAST) &&
-                     (send_bytes == 0 || send_bytes == recv_bytes);
+    bool one = (kind == wire::OpKind::ALL_REDUCE || kind == wire::OpKind::BROADCAST) &&
+               (send_bytes == 0 || send_bytes == recv_bytes);
+    // An all-gather in place on the host too: the input is copied into its
+    // rank's block of the output staging, so the daemon copies nothing into
+    // its own block (it was a memcpy of the whole input per operation) and
+    // that block is final from the start. Above the staging kernels' size
+    // the stream does not copy the block back from the host either: it
+    // copies it on the GPU (own_lo_ .. own_hi_, below).
+    std::uint64_t send_at = 0;
+    own_lo_ = own_hi_ = 0;
+    const bool gather_in_place = kind == wire::OpKind::ALL_GATHER && send_bytes > 0 &&
+                                 recv_bytes % send_bytes == 0 &&
+                                 recv_bytes / send_bytes > static_cast<std::uint64_t>(rank_);
+    if (gather_in_place) {
+      one = true;
+      send_at = static_cast<std::uint64_t>(rank_) * send_bytes;
+    }
     {
       // The daemon sees only the staging: the layout check it makes of
       // buffers it maps (engine_impl.h, check_buffers) is made here.
@@ -582,7 +607,7 @@ class StreamSubmit final : public GpuSubmit {
       pieces = ipc::stage_piece_count(send_bytes, piece);
       first = static_cast<std::uint32_t>(std::min<std::uint64_t>(first_byte_ / piece, pieces - 1));
     }
-    lease_ = staged_->staging->take(send_bytes, recv_bytes, one, stream_);
+    lease_ = staged_->staging->take(send_bytes, recv_bytes, one, stream_, send_at);
     if (send_bytes > 0) {
       c.getSend().setHandle(lease_.handle);
       c.getSend().setOffset(lease_.send_offset);
@@ -625,6 +650,23 @@ class StreamSubmit final : public GpuSubmit {
       mark_ready(ipc::stage_piece_value(ticket_, pieces, q));
     }
     if (send_bytes == 0) mark_ready(ticket_);
+    if (gather_in_place) {
+      const bool by_kernel = kern != nullptr && out_pieces_ == 1 &&
+                             copy_bytes_ <= ClientStaging::kKernelMaxBytes;
+      if (!by_kernel) {
+        // The rank's own block of the output, on the GPU: copied there from
+        // the input (nothing where the caller's all-gather is in place), not
+        // back from the host staging. The daemon's exchange goes on meanwhile.
+        own_lo_ = send_at;
+        own_hi_ = send_at + send_bytes;
+        const auto dst = reinterpret_cast<cu::DevicePtr>(recv) + own_lo_,
+                   src = reinterpret_cast<cu::DevicePtr>(send);
+        if (dst != src) {
+          cu.check(cu.cuMemcpyDtoDAsync(dst, src, send_bytes, stream_),
+                   "copy of the rank's own block of the all-gather output (cuMemcpyDtoDAsync)");
+        }
+      }
+    }
     auto g = c.initGpu();
     set_sync(g, 0, 0);
     g.setClientStaged(true);
@@ -644,6 +686,8 @@ class StreamSubmit final : public GpuSubmit {
   ClientStaging::Lease lease_;
   const void* recv_ = nullptr;
   std::uint64_t copy_bytes_ = 0;  // of the output, copied back from the staging
+  // An all-gather's own block of the output, copied on the GPU (not back).
+  std::uint64_t own_lo_ = 0, own_hi_ = 0;
   std::uint64_t out_piece_ = 1;
   std::uint32_t out_pieces_ = 1;
   cu::Context ctx_ = nullptr;

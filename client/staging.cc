@@ -80,12 +80,12 @@ void ClientStaging::free_block(Block& b) noexcept {
 }
 
 ClientStaging::Lease ClientStaging::take(std::uint64_t send_bytes, std::uint64_t recv_bytes,
-                                         bool one, cu::Stream stream) {
+                                         bool one, cu::Stream stream, std::uint64_t send_at) {
   const gpu::CudaDriver& cu = *cu_;
-  const std::uint64_t send_at = 0;
+  if (!one) send_at = 0;
   const std::uint64_t recv_at = one ? 0 : round_up(send_bytes, kAlign);
-  const std::uint64_t need =
-      std::max<std::uint64_t>(1, one ? std::max(send_bytes, recv_bytes) : recv_at + recv_bytes);
+  const std::uint64_t need = std::max<std::uint64_t>(
+      1, one ? std::max(send_at + send_bytes, recv_bytes) : recv_at + recv_bytes);
   // The copies out of the previous operations come first: of this block's
   // (its memory is reused) and of the other's (see the class comment).
   // Nothing to wait for on one stream, where they are before anyway.

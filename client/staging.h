@@ -49,11 +49,12 @@ class ClientStaging {
     gpu::cu::DevicePtr send_dev = 0, recv_dev = 0;
   };
   /// Buffers for `send_bytes` of input and `recv_bytes` of output (one
-  /// buffer for both where `one`: the host collective then runs in place).
-  /// Makes `stream` wait until the previous operations have copied their
-  /// outputs out (stream-ordered: the CPU never waits). The stream's context
-  /// is current.
-  Lease take(std::uint64_t send_bytes, std::uint64_t recv_bytes, bool one, gpu::cu::Stream stream);
+  /// buffer for both where `one`, the input `send_at` bytes into the output:
+  /// the host collective then runs in place). Makes `stream` wait until the
+  /// previous operations have copied their outputs out (stream-ordered: the
+  /// CPU never waits). The stream's context is current.
+  Lease take(std::uint64_t send_bytes, std::uint64_t recv_bytes, bool one, gpu::cu::Stream stream,
+             std::uint64_t send_at = 0);
 
   /// Inputs and outputs up to this many bytes are moved by the staging
   /// kernels (client/direct_kernels.cu) rather than by a copy engine and a
