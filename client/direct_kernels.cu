@@ -458,3 +458,105 @@ extern "C" __global__ void __launch_bounds__(512)
   block_range(bytes, lo, hi);
   stage_copy(src, dst, lo, hi, true);
 }
+
+namespace {
+/// out[i] = the host reduction of the two nodes' contributions, in node
+/// order (`own_first`: this rank's node is node 0), with avg as the host
+/// finishes it: the sum stored as T, then divided (engine/node_algorithms.cc,
+/// a one-rank pairwise reduce-scatter, then finish_avg). The other node's
+/// contribution is read from host staging the daemon wrote (volatile loads).
+/// A volatile load of one element, through an unsigned type of its size
+/// (__half and __nv_bfloat16 have no volatile copy).
+template <typename T>
+__device__ __forceinline__ T load_volatile(const T* p) {
+  using Bits = std::conditional_t<sizeof(T) == 1, unsigned char,
+               std::conditional_t<sizeof(T) == 2, unsigned short,
+               std::conditional_t<sizeof(T) == 4, unsigned int, unsigned long long>>>;
+  const Bits b = *reinterpret_cast<const volatile Bits*>(p);
+  T v;
+  memcpy(&v, &b, sizeof(T));
+  return v;
+}
+
+template <typename T, RedOp O>
+__device__ __forceinline__ T stage_combine(T o, T h, u32 nranks, bool own_first) {
+  using Tr = Traits<T>;
+  constexpr RedOp C = O == RedOp::avg ? RedOp::sum : O;
+  auto acc = own_first ? combine<T, C>(Tr::load(o), Tr::load(h)) : combine<T, C>(Tr::load(h), Tr::load(o));
+  T v = Tr::store(acc);
+  if constexpr (O == RedOp::avg) v = finish<T, RedOp::avg>(Tr::load(v), nranks);
+  return v;
+}
+
+template <typename T, RedOp O>
+__device__ void stage_reduce_typed(const T* own, const T* host, T* out, u64s count, u32 nranks,
+                                   bool own_first) {
+  const u64s stride = static_cast<u64s>(gridDim.x) * blockDim.x;
+  const u64s tid = static_cast<u64s>(blockIdx.x) * blockDim.x + threadIdx.x;
+  u64s done = 0;
+  // 16 bytes a load where the three are aligned: a PCIe read of a few bytes
+  // costs a round trip as a whole line does.
+  constexpr int V = 16 / sizeof(T);
+  if (((reinterpret_cast<std::uintptr_t>(own) | reinterpret_cast<std::uintptr_t>(host) |
+        reinterpret_cast<std::uintptr_t>(out)) & 15) == 0) {
+    const u64s packs = count / V;
+    for (u64s k = tid; k < packs; k += stride) {
+      uint4 hb;
+      asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(hb.x), "=r"(hb.y), "=r"(hb.z), "=r"(hb.w)
+                   : "l"(reinterpret_cast<const uint4*>(host) + k));
+      const uint4 ob = reinterpret_cast<const uint4*>(own)[k];
+      T hv[V], ov[V], r[V];
+      memcpy(hv, &hb, 16);
+      memcpy(ov, &ob, 16);
+#pragma unroll
+      for (int e = 0; e < V; ++e) r[e] = stage_combine<T, O>(ov[e], hv[e], nranks, own_first);
+      uint4 rb;
+      memcpy(&rb, r, 16);
+      reinterpret_cast<uint4*>(out)[k] = rb;
+    }
+    done = packs * V;
+  }
+  for (u64s i = done + tid; i < count; i += stride) {
+    out[i] = stage_combine<T, O>(own[i], load_volatile(host + i), nranks, own_first);
+  }
+}
+
+template <typename T>
+__device__ void stage_reduce_op(const void* own, const void* host, void* out, u64s count, int op,
+                                u32 nranks, bool own_first) {
+  const T* o = static_cast<const T*>(own);
+  const T* h = static_cast<const T*>(host);
+  T* d = static_cast<T*>(out);
+  switch (static_cast<RedOp>(op)) {
+    case RedOp::sum: return stage_reduce_typed<T, RedOp::sum>(o, h, d, count, nranks, own_first);
+    case RedOp::prod: return stage_reduce_typed<T, RedOp::prod>(o, h, d, count, nranks, own_first);
+    case RedOp::min: return stage_reduce_typed<T, RedOp::min>(o, h, d, count, nranks, own_first);
+    case RedOp::max: return stage_reduce_typed<T, RedOp::max>(o, h, d, count, nranks, own_first);
+    case RedOp::avg: return stage_reduce_typed<T, RedOp::avg>(o, h, d, count, nranks, own_first);
+  }
+}
+}  // namespace
+
+/// A reduce-scatter over two nodes staged by the client, its own segment on
+/// the GPU: the daemon wrote the other node's contribution to this rank's
+/// segment into host staging (`host`), and this combines it with the rank's
+/// own contribution (`own`, its input's segment) into `out` (which may be
+/// `own`: in place). After the stream's wait for the done word.
+extern "C" __global__ void __launch_bounds__(256)
+    collectived_stage_reduce(const void* own, const void* host, void* out, u64s count, int dtype,
+                             int op, u32 nranks, int own_first) {
+  const bool f = own_first != 0;
+  switch (static_cast<DType>(dtype)) {
+    case DType::int8: return stage_reduce_op<std::int8_t>(own, host, out, count, op, nranks, f);
+    case DType::uint8: return stage_reduce_op<std::uint8_t>(own, host, out, count, op, nranks, f);
+    case DType::int32: return stage_reduce_op<std::int32_t>(own, host, out, count, op, nranks, f);
+    case DType::uint32: return stage_reduce_op<std::uint32_t>(own, host, out, count, op, nranks, f);
+    case DType::int64: return stage_reduce_op<long long>(own, host, out, count, op, nranks, f);
+    case DType::uint64: return stage_reduce_op<unsigned long long>(own, host, out, count, op, nranks, f);
+    case DType::float16: return stage_reduce_op<__half>(own, host, out, count, op, nranks, f);
+    case DType::bfloat16: return stage_reduce_op<__nv_bfloat16>(own, host, out, count, op, nranks, f);
+    case DType::float32: return stage_reduce_op<float>(own, host, out, count, op, nranks, f);
+    case DType::float64: return stage_reduce_op<double>(own, host, out, count, op, nranks, f);
+  }
+}

@@ -69,6 +69,9 @@ struct GpuState {
   /// Across nodes, rank buffers up to this many bytes are staged here
   /// (AttachedGpu.clientStageMaxBytes; 0: by the daemon).
   std::uint64_t client_stage_max = 0;
+  /// A staged reduce-scatter over two nodes may keep its own segment on the
+  /// GPU (AttachedGpu.ownSegmentOnGpu).
+  bool own_segment_on_gpu = false;
 
   /// If the daemon dies, nothing writes the flag words any more: release every
   /// stream still waiting, so that the application's GPU never hangs on us
@@ -172,6 +175,7 @@ std::shared_ptr<GpuState> gpu_state(collective_client_t* client) {
     if (a.getTwoStepMinGpus() != 0) s->direct.two_step_min_ranks = static_cast<int>(a.getTwoStepMinGpus());
     s->direct.two_step_bytes = a.getTwoStepBytes();
     s->client_stage_max = a.getClientStageMaxBytes();
+    s->own_segment_on_gpu = a.getOwnSegmentOnGpu();
   } else {
     s->direct.reason = "the daemon does not offer the client's kernels (an older collectived)";
   }
@@ -220,6 +224,7 @@ void gpu_comm_created(collective_comm_t* comm) noexcept {
     m.kernels.in = m.module->function("collectived_stage_in");
     m.kernels.out = m.module->function("collectived_stage_out");
     if (m.kernels.in == nullptr || m.kernels.out == nullptr) return;
+    m.kernels.reduce = m.module->function("collectived_stage_reduce");
     s->stage_modules.emplace(ctx, std::move(m));
   } catch (const std::exception&) {
     // No GPU state here (no driver, a daemon without GPUs): the copies serve.
@@ -384,14 +389,19 @@ class StreamSubmit final : public GpuSubmit {
   /// operation itself (across nodes); null: the daemon reads the GPU buffers.
   /// `first_byte`: staged, the input byte the daemon's exchange reads first
   /// (its piece is copied first).
+  /// `two_nodes`: staged, the communicator has two ranks on two nodes (node
+  /// `node`): a reduce-scatter may keep its own segment on the GPU.
   StreamSubmit(collective_client_t* client, std::shared_ptr<GpuState> s, cu::Stream stream,
-               CommGpu* staged = nullptr, std::uint64_t first_byte = 0, int rank = 0)
+               CommGpu* staged = nullptr, std::uint64_t first_byte = 0, int rank = 0,
+               bool two_nodes = false, int node = 0)
       : client_(client),
         s_(std::move(s)),
         stream_(stream),
         staged_(staged),
         first_byte_(first_byte),
-        rank_(rank) {}
+        rank_(rank),
+        two_nodes_(two_nodes),
+        node_(node) {}
 
   void fill(wire::Collective::Builder c, const void* send, std::uint64_t send_bytes,
             const void* recv, std::uint64_t recv_bytes) override {
@@ -488,6 +498,38 @@ class StreamSubmit final : public GpuSubmit {
       // the done word reached its value (all of it by the ticket): each is
       // copied back as soon as it is final, while the exchange goes on.
       const std::uint32_t k = out_pieces_;
+      if (own_on_gpu_) {
+        // Each piece of the output: the other node's contribution, in the
+        // host staging once the done word says so, combined on the GPU with
+        // this rank's own segment of the input.
+        const ClientStaging::Kernels* kern = s_->stage_kernels(ctx_);
+        for (std::uint32_t q = 0; q < k && r == cu::kSuccess; ++q) {
+          r = cu.cuStreamWaitValue32(stream_, done, ipc::stage_piece_value(ticket_, k, q),
+                                     cu::kStreamWaitValueGeq);
+          const std::uint64_t at = q * out_piece_,
+                              len = std::min(out_piece_, copy_bytes_ - std::min(at, copy_bytes_));
+          if (r != cu::kSuccess || len == 0) continue;
+          try {
+            staged_->staging->kernel_reduce(*kern, stream_, own_src_ + at, lease_.recv_dev + at,
+                                            reinterpret_cast<cu::DevicePtr>(recv_) + at, len / es_,
+                                            dtype_, redop_, 2, node_ == 0);
+          } catch (const Error&) {
+            lock_.unlock();
+            throw;
+          }
+        }
+        if (r == cu::kSuccess) {
+          try {
+            staged_->staging->release(stream_);
+          } catch (const Error&) {
+            lock_.unlock();
+            throw;
+          }
+        }
+        lock_.unlock();
+        cu.check(r, "cuStreamWaitValue32 (the caller's stream waiting for the daemon)");
+        return;
+      }
       // A small output (one piece) is copied by a kernel: a launch costs the
       // stream less than a copy engine's transfer (ClientStaging::kKernelMaxBytes).
       const ClientStaging::Kernels* kern = s_->stage_kernels(ctx_);
@@ -635,6 +677,22 @@ class StreamSubmit final : public GpuSubmit {
     }
     take_word(std::max(pieces, out_pieces_));
     const ClientStaging::Kernels* kern = s.stage_kernels(ctx_);
+    // A reduce-scatter over two nodes: the rank's own segment stays on the
+    // GPU. Its input is not staged (nor read by the daemon), and the stream
+    // combines the other node's contribution with it there, instead of the
+    // daemon reducing both on the CPU (docs/gpu.md, "Own segment on the GPU").
+    own_on_gpu_ = kind == wire::OpKind::REDUCE_SCATTER && two_nodes_ && s.own_segment_on_gpu &&
+                  kern != nullptr && kern->reduce != nullptr && recv_bytes > 0 &&
+                  send_bytes == 2 * recv_bytes;
+    std::uint64_t own_lo = 0, own_hi = 0;  // of the input: not staged
+    if (own_on_gpu_) {
+      own_lo = static_cast<std::uint64_t>(rank_) * recv_bytes;
+      own_hi = own_lo + recv_bytes;
+      own_src_ = reinterpret_cast<cu::DevicePtr>(send) + own_lo;
+      dtype_ = c.asReader().getDtype();
+      redop_ = c.asReader().getRedop();
+      es_ = collective_dtype_size(static_cast<collective_dtype_t>(dtype_));
+    }
     const bool k_in = kern != nullptr && pieces == 1 && send_bytes > 0 &&
                       send_bytes <= ClientStaging::kKernelMaxBytes;
     if (k_in) {
@@ -643,10 +701,19 @@ class StreamSubmit final : public GpuSubmit {
     }
     for (std::uint32_t q = 0; q < pieces && send_bytes > 0 && !k_in; ++q) {
       const std::uint64_t at = ((first + q) % pieces) * piece,
-                          len = std::min(piece, send_bytes - at);
-      cu.check(cu.cuMemcpyDtoHAsync(lease_.send + at, reinterpret_cast<cu::DevicePtr>(send) + at,
-                                    len, stream_),
-               "copy of the input to host staging (cuMemcpyDtoHAsync)");
+                          end = at + std::min(piece, send_bytes - at);
+      // Around the own segment where it stays on the GPU.
+      std::pair<std::uint64_t, std::uint64_t> parts[2] = {{at, end}, {end, end}};
+      if (own_hi > own_lo && own_lo < end && at < own_hi) {
+        parts[0] = {at, std::max(at, own_lo)};
+        parts[1] = {std::min(end, own_hi), end};
+      }
+      for (const auto& [lo, hi] : parts) {
+        if (hi <= lo) continue;
+        cu.check(cu.cuMemcpyDtoHAsync(lease_.send + lo, reinterpret_cast<cu::DevicePtr>(send) + lo,
+                                      hi - lo, stream_),
+                 "copy of the input to host staging (cuMemcpyDtoHAsync)");
+      }
       mark_ready(ipc::stage_piece_value(ticket_, pieces, q));
     }
     if (send_bytes == 0) mark_ready(ticket_);
@@ -675,6 +742,7 @@ class StreamSubmit final : public GpuSubmit {
     g.setPieceFirst(first);
     g.setOutPieces(out_pieces_);
     g.setOutPieceBytes(out_piece_);
+    g.setOwnSegmentOnGpu(own_on_gpu_);
   }
 
   collective_client_t* client_;
@@ -683,6 +751,13 @@ class StreamSubmit final : public GpuSubmit {
   CommGpu* staged_ = nullptr;
   std::uint64_t first_byte_ = 0;
   int rank_ = 0;
+  bool two_nodes_ = false;
+  int node_ = 0;
+  // A reduce-scatter whose own segment stays on the GPU (fill_staged).
+  bool own_on_gpu_ = false;
+  cu::DevicePtr own_src_ = 0;
+  std::uint8_t dtype_ = 0, redop_ = 0;
+  std::uint64_t es_ = 1;
   ClientStaging::Lease lease_;
   const void* recv_ = nullptr;
   std::uint64_t copy_bytes_ = 0;  // of the output, copied back from the staging
@@ -823,7 +898,8 @@ collective_result_t stream_op(collective_comm_t* comm, wire::OpKind kind, const 
     first_byte = static_cast<std::uint64_t>(comm_next_node_first_rank(comm)) * one;
   }
   StreamSubmit submit(comm_client(comm), s, static_cast<cu::Stream>(stream),
-                      staged ? &comm_gpu(comm) : nullptr, first_byte, collective_comm_rank(comm));
+                      staged ? &comm_gpu(comm) : nullptr, first_byte, collective_comm_rank(comm),
+                      nodes == 2 && collective_comm_size(comm) == 2, comm_node(comm));
   return submit_gpu_collective(comm, kind, send, send_bytes, recv, recv_bytes, count, dtype, redop,
                                root, name, request, submit);
 }

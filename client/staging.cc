@@ -145,4 +145,19 @@ void ClientStaging::kernel_out(const Kernels& k, cu::Stream stream, const Lease&
              "cuLaunchKernel (staging the output)");
 }
 
+void ClientStaging::kernel_reduce(const Kernels& k, cu::Stream stream, cu::DevicePtr own,
+                                  cu::DevicePtr host, cu::DevicePtr out, std::uint64_t count,
+                                  int dtype, int redop, std::uint32_t nranks, bool own_first) {
+  unsigned long long n = count;
+  int own_first_i = own_first ? 1 : 0;
+  void* params[] = {&own, &host, &out, &n, &dtype, &redop, &nranks, &own_first_i};
+  // Reads from host memory wait a PCIe round trip each: many blocks keep
+  // many in flight (16 bytes per thread and pass).
+  const std::uint64_t bytes = count * collective_dtype_size(static_cast<collective_dtype_t>(dtype));
+  const auto grid =
+      static_cast<unsigned>(std::clamp<std::uint64_t>((bytes + 4095) / 4096, 1, 1024));
+  cu_->check(cu_->cuLaunchKernel(k.reduce, grid, 1, 1, 256, 1, 1, 0, stream, params, nullptr),
+             "cuLaunchKernel (combining the reduce-scatter's own segment)");
+}
+
 }  // namespace collectived::client

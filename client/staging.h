@@ -65,6 +65,8 @@ class ClientStaging {
   /// gpu_comm_created).
   struct Kernels {
     gpu::cu::Function in = nullptr, out = nullptr;
+    /// collectived_stage_reduce; null: an older fatbin (not offered then).
+    gpu::cu::Function reduce = nullptr;
   };
   /// On `stream`: copies `bytes` at `src` into the lease's input, then
   /// writes `value` to the ready word at `ready`.
@@ -74,6 +76,15 @@ class ClientStaging {
   /// stream's wait for the done word).
   void kernel_out(const Kernels& k, gpu::cu::Stream stream, const Lease& l, gpu::cu::DevicePtr dst,
                   std::uint64_t bytes);
+
+  /// On `stream`: `out`[i] = the two nodes' contributions combined as the
+  /// host combines them (node 0's first; avg: the sum stored, then divided by
+  /// `nranks`) for `count` elements, from this rank's own at `own` (GPU) and
+  /// the other node's at `host` (the staging as the GPU addresses it). `out`
+  /// may be `own`.
+  void kernel_reduce(const Kernels& k, gpu::cu::Stream stream, gpu::cu::DevicePtr own,
+                     gpu::cu::DevicePtr host, gpu::cu::DevicePtr out, std::uint64_t count,
+                     int dtype, int redop, std::uint32_t nranks, bool own_first);
 
   /// The operation's copies out are enqueued on `stream`: the block may be
   /// reused after them.

@@ -5,6 +5,7 @@
 
 #include "daemon/session.h"
 #include "engine/dtype.h"
+#include "engine/node_algorithms.h"
 
 namespace collectived::daemon {
 
@@ -28,6 +29,7 @@ engine::gpu::GpuSyncArgs sync_args(wire::GpuSync::Reader req) {
   a.piece_first = req.getPieceFirst();
   a.out_pieces = std::max<std::uint32_t>(1, req.getOutPieces());
   a.out_piece_bytes = req.getOutPieceBytes();
+  a.own_segment_on_gpu = req.getOwnSegmentOnGpu();
   return a;
 }
 
@@ -139,6 +141,12 @@ void ClientSession::handle_attach_gpu(std::uint64_t id, wire::AttachGpu::Reader 
   std::uint64_t stage_max = g.client_stage_max_bytes;
   if (g.stage_chunk_bytes != 0) stage_max = std::min(stage_max, g.stage_chunk_bytes);
   a.setClientStageMaxBytes(stage_max);
+  // A staged reduce-scatter over two nodes may leave the rank's own segment
+  // on its GPU where this daemon's reduce-scatter between them is pairwise.
+  engine::NodeAlgorithmOptions algorithms;
+  algorithms.algorithm = host_.profile().collectives.algorithm;
+  algorithms.pairwise_max_nodes = static_cast<int>(host_.profile().collectives.pairwise_max_nodes);
+  a.setOwnSegmentOnGpu(engine::reduce_scatter_own_elsewhere(2, algorithms));
   send(ipc::encode_frame(b));
 }
 

@@ -1068,6 +1068,7 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
       if (comm.members[r].remote) continue;
       const Part& p = slot.parts[r];
       op.local.push_back(LocalBuffers{r, p.send.ptr, p.send.bytes, p.recv.ptr, p.recv.bytes});
+      if (p.gpu_sync && p.gpu_sync->own_segment_on_gpu) op.own_contribution_elsewhere = true;
       keep.push_back(p.send);
       keep.push_back(p.recv);
       mine.insert(mine.end(), {r, p.color, p.key});

@@ -351,17 +351,33 @@ class Algorithms {
   /// all-gather overlaps the reduce-scatter instead of following it.
   /// `flush`: wait for the sends before returning (the caller overwrites
   /// what they read); false where nothing they read is written next.
+  /// `skip_own` (with `own_out`): this node's own contribution is left out
+  /// (combined elsewhere, NodeCollective::own_contribution_elsewhere); its
+  /// segment of `buf` is never read.
   void pairwise_reduce_scatter(std::byte* buf, const std::vector<Segment>& segs, DType dtype,
                                RedOp op, std::uint64_t phase, std::byte* own_out = nullptr,
-                               std::uint64_t gather_phase = 0, bool flush = true) {
+                               std::uint64_t gather_phase = 0, bool flush = true,
+                               bool skip_own = false) {
     if (n_ == 1) return;
+    const Segment& mine = segs[i_];
+    const std::uint64_t total = segment_bytes(mine);
+    // Its own contribution left out over two nodes: the other node's chunks
+    // are the output as they come, received straight into it where the
+    // transport places them (posted before this node's sends go out).
+    const bool place = skip_own && own_out != nullptr && n_ == 2 && posted(total);
+    if (place) {
+      const int j = mod(i_ + 1);
+      for (std::uint64_t c = 0; c < chunks(total); ++c) {
+        const ChunkSpan span = chunk_span(total, c);
+        ch_.post(j, tag_of(base_, phase, static_cast<std::uint64_t>(j), c),
+                 {own_out + span.from, span.to - span.from});
+      }
+    }
     // Start with the next node, so that the nodes do not all send to node 0 first.
     for (int k = 1; k < n_; ++k) {
       const int j = mod(i_ + k);
       send_segment(j, buf, segs[j], phase, static_cast<std::uint64_t>(i_));
     }
-    const Segment& mine = segs[i_];
-    const std::uint64_t total = segment_bytes(mine);
     // Each chunk's reduction, over all nodes in node order, into `own_out`
     // or in place. Where the machine has cores to spare (parallelism() > 1),
     // up to that many run at once on the worker pool while the next chunks
@@ -370,15 +386,18 @@ class Algorithms {
     // at 0.45-0.63x NCCL on sockets, host buffers 0.7-0.86x).
     // Bytes [from, to) of the chunk that starts at `first` (in[j] holds
     // node j's bytes of the whole chunk).
-    auto reduce_part = [this, buf, &mine, dtype, op, own_out](const std::vector<NodePayload>& in,
-                                                             std::uint64_t first, std::uint64_t from,
-                                                             std::uint64_t to) {
-      std::vector<const void*> srcs(n_);
+    auto reduce_part = [this, buf, &mine, dtype, op, own_out, skip_own](
+                           const std::vector<NodePayload>& in, std::uint64_t first,
+                           std::uint64_t from, std::uint64_t to) {
+      std::vector<const void*> srcs;
       for_pieces(buf, mine, from, to, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
+        srcs.clear();
         for (int j = 0; j < n_; ++j) {
-          srcs[j] = j == i_ ? static_cast<const void*>(p) : in[j].data() + (from - first) + off;
+          if (j == i_ && skip_own) continue;
+          srcs.push_back(j == i_ ? static_cast<const void*>(p) : in[j].data() + (from - first) + off);
         }
         std::byte* dst = own_out != nullptr ? own_out + from + off : p;
+        if (srcs.size() == 1 && srcs[0] == dst) return;  // received in place (`place` above)
         reduce(dtype, op, dst, srcs.data(), srcs.size(), len / dtype_size(dtype), 1);
       });
     };
@@ -461,7 +480,7 @@ class Algorithms {
         (*in)[j] = ch_.recv(j, tag_of(base_, phase, static_cast<std::uint64_t>(j), c));
         expect_size((*in)[j], to - from, j);
       }
-      need(buf, mine, from, to);  // this node's own contribution to the chunk
+      if (!skip_own) need(buf, mine, from, to);  // this node's own contribution to the chunk
       if (window <= 1) {
         reduce_split(in, from, to);
         gather(c, from, to);
@@ -755,6 +774,10 @@ std::vector<Segment> rank_segments(const std::vector<int>& node_of_rank, std::ui
 
 }  // namespace
 
+bool reduce_scatter_own_elsewhere(int nodes, const NodeAlgorithmOptions& options) {
+  return nodes == 2 && use_pairwise(nodes, options);
+}
+
 bool reads_input_in_pieces(OpKind kind, std::uint64_t bytes, int nranks, int local_ranks, int nodes,
                            const NodeAlgorithmOptions& options) {
   if (local_ranks != 1 || nodes < 2 || bytes == 0) return false;
@@ -831,6 +854,9 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
   const std::uint64_t one = op.count * es;
   const auto& L = op.local;
   if (L.empty()) throw Error(Code::internal, "a node collective without local ranks");
+  if (op.own_contribution_elsewhere && op.kind != OpKind::reduce_scatter) {
+    throw Error(Code::invalid_argument, "only a reduce-scatter leaves its own contribution to the client");
+  }
   // avg is a sum until the very end, where it is divided once by nranks.
   const RedOp combine = op.redop == RedOp::avg ? RedOp::sum : op.redop;
   // Passes over whole buffers leave the thread that serves the peers when
@@ -868,7 +894,8 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
   // Chunks of the output are told final as they land (NodeChannel::written)
   // where nothing passes over the whole output afterwards: one rank on the
   // node (no copies to the others) and not avg (divided at the very end).
-  const bool tell = L.size() == 1 && op.redop != RedOp::avg;
+  // (avg: divided at the very end, unless the division is the client's.)
+  const bool tell = L.size() == 1 && (op.redop != RedOp::avg || op.own_contribution_elsewhere);
   // The input may still be arriving: every read of it waits for its bytes.
   const bool in_pieces = reads_input_in_pieces(op.kind, one, op.nranks, static_cast<int>(L.size()), n, options);
   algo.guard_input(in_pieces);
@@ -992,13 +1019,21 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
     }
     case OpKind::reduce_scatter: {
       const std::uint64_t total = one * op.nranks;
+      if (op.own_contribution_elsewhere &&
+          (L.size() != 1 || !reduce_scatter_own_elsewhere(n, options))) {
+        throw Error(Code::invalid_argument,
+                    "a reduce-scatter leaving its own contribution to the client takes one rank "
+                    "per node, two nodes and the pairwise algorithm (collectives.algorithm)");
+      }
       if (L.size() == 1 && use_pairwise(n, options)) {
         // One rank: its input is read in place and its segment reduced
-        // straight into its output (no scratch, no copies).
+        // straight into its output (no scratch, no copies). Its own
+        // contribution left out: the other node's, as it came (the client
+        // combines them on the GPU, and divides avg).
         algo.tell_final(tell);
         algo.pairwise_reduce_scatter(L[0].send, rank_segments(op.node_of_rank, one, n), op.dtype,
-                                     combine, 1, L[0].recv);
-        finish_avg(L[0].recv, one);
+                                     combine, 1, L[0].recv, 0, true, op.own_contribution_elsewhere);
+        if (!op.own_contribution_elsewhere) finish_avg(L[0].recv, one);
         return;
       }
       std::byte* t = ch.scratch(total);

@@ -195,6 +195,13 @@ std::string node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
 bool reads_input_in_pieces(OpKind kind, std::uint64_t bytes, int nranks, int local_ranks, int nodes,
                            const NodeAlgorithmOptions& options);
 
+/// Whether a reduce-scatter over `nodes` nodes with one rank on this node
+/// can leave that rank's own contribution out (NodeCollective::
+/// own_contribution_elsewhere): over two nodes, where it is pairwise, the
+/// output is then the other node's contribution as it came, and whoever
+/// combines the two reproduces the host's order (node 0's first).
+bool reduce_scatter_own_elsewhere(int nodes, const NodeAlgorithmOptions& options);
+
 /// Where, in its local rank's input, an operation that reads_input_in_pieces
 /// reads first (bytes from the start): the pairwise reduce-scatter (and
 /// all-reduce) sends the next node's segment first, then the others in node
@@ -222,6 +229,12 @@ struct NodeCollective {
   int nranks = 0;
   std::vector<int> node_of_rank;  ///< rank -> node index
   std::vector<LocalBuffers> local;  ///< this node's ranks, ascending
+  /// A reduce-scatter whose one local rank's own contribution to its segment
+  /// is combined elsewhere (on its GPU, by the client: GpuSync
+  /// ownSegmentOnGpu): its output gets the other nodes' contributions only,
+  /// undivided for avg, and its own segment of the input is never read.
+  /// Only where reduce_scatter_own_elsewhere() says so.
+  bool own_contribution_elsewhere = false;
 };
 
 /// Runs `op` on this node: local combine, exchange with the other nodes over

@@ -19,6 +19,7 @@
 #include <optional>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "ipc/error.h"
 
@@ -114,10 +115,25 @@ class MemChannel final : public NodeChannel {
     deliver();  // as the engine's channel: a receive lets the sends before it go
     auto bytes = f_.take(me_, from, tag);
     NodePayload p;
+    p.size = bytes.size();
+    // A posted buffer of the message's size takes it, as the TCP transport
+    // reads a chunk straight into it.
+    auto at = posted_.find({from, tag});
+    if (at != posted_.end() && at->second.size() == bytes.size()) {
+      std::memcpy(at->second.data(), bytes.data(), bytes.size());
+      p.placed = at->second.data();
+      posted_.erase(at);
+      ++placed_;
+      return p;
+    }
     p.storage = MessageBytes::copy_of(bytes);
-    p.size = p.storage.size();
     return p;
   }
+  void post(int from, std::uint64_t tag, std::span<std::byte> dest) override {
+    posted_[{from, tag}] = dest;
+  }
+  /// Messages received straight into a posted buffer.
+  int placed() const { return placed_; }
   void flush() override { deliver(); }
   void start_sends() override { deliver(); }
   std::byte* scratch(std::size_t bytes) override {
@@ -197,6 +213,8 @@ class MemChannel final : public NodeChannel {
   std::minstd_rand rng_;
   int async_ = 0, waited_ = 0;
   std::vector<Pending> pending_;
+  std::map<std::pair<int, std::uint64_t>, std::span<std::byte>> posted_;
+  int placed_ = 0;
   std::vector<std::byte> scratch_;
   std::vector<Lazy> lazy_;
   std::uint64_t piece_ = 1;
@@ -212,12 +230,16 @@ struct Case {
   std::uint64_t count;
   bool in_place;
   int root;
+  /// Reduce-scatter: each rank's own contribution left out
+  /// (NodeCollective::own_contribution_elsewhere); its own segment of the
+  /// input holds garbage, and its output is the others' reduction, undivided.
+  bool own_elsewhere = false;
 };
 
 /// Runs `c` on the layout `node_of_rank` with int32 elements; checks every
 /// output. Returns how many passes ran through compute_async on all nodes.
 int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithmOptions& o,
-         int parallelism = 1) {
+         int parallelism = 1, int* placed = nullptr) {
   const int nranks = static_cast<int>(node_of_rank.size());
   const int nodes = *std::max_element(node_of_rank.begin(), node_of_rank.end()) + 1;
   const std::uint64_t one = c.count * 4;
@@ -228,6 +250,9 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
     send[r].resize((wide_send ? nranks : 1) * c.count);
     recv[r].assign((wide_recv ? nranks : 1) * c.count + 1, -7);
     for (std::uint64_t i = 0; i < send[r].size(); ++i) send[r][i] = input(r, i);
+    if (c.own_elsewhere) {
+      for (std::uint64_t i = r * c.count; i < (r + 1) * c.count; ++i) send[r][i] = 0x5a5a5a5a;
+    }
     if (c.in_place) {
       // The in-place layout: the send data sits where the output goes.
       const std::uint64_t at = c.kind == OpKind::all_gather ? r * c.count : 0;
@@ -239,7 +264,7 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
   std::vector<std::string> errors(nodes);
   std::vector<std::vector<MemChannel::Told>> told(nodes);
   std::vector<std::vector<LocalBuffers>> locals(nodes);
-  std::atomic<int> passes{0};
+  std::atomic<int> passes{0}, placed_all{0};
   std::vector<std::thread> threads;
   for (int j = 0; j < nodes; ++j) {
     threads.emplace_back([&, j] {
@@ -253,6 +278,7 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
         op.root = c.root;
         op.nranks = nranks;
         op.node_of_rank = node_of_rank;
+        op.own_contribution_elsewhere = c.own_elsewhere;
         for (int r = 0; r < nranks; ++r) {
           if (node_of_rank[r] != j) continue;
           LocalBuffers b;
@@ -286,17 +312,22 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
         if (!ch.flushed()) errors[j] = "returned with sends outstanding";
         if (!ch.drained()) errors[j] = "returned with passes running";
         passes += ch.passes();
+        placed_all += ch.placed();
       } catch (const std::exception& e) {
         errors[j] = e.what();
       }
     });
   }
   for (auto& t : threads) t.join();
+  if (placed != nullptr) *placed = placed_all;
   for (int j = 0; j < nodes; ++j) CHECK_MESSAGE(errors[j].empty(), errors[j]);
   CHECK(fabric.empty());
-  auto reduced = [&](std::uint64_t i) {
-    std::int64_t acc = input(0, i);
-    for (int r = 1; r < nranks; ++r) {
+  // `except`: a rank left out (own_elsewhere), and then no division.
+  auto reduced = [&](std::uint64_t i, int except = -1) {
+    const int first = except == 0 ? 1 : 0;
+    std::int64_t acc = input(first, i);
+    for (int r = first + 1; r < nranks; ++r) {
+      if (r == except) continue;
       const std::int32_t v = input(r, i);
       switch (c.redop) {
         case RedOp::sum: case RedOp::avg: acc = static_cast<std::int32_t>(acc + v); break;
@@ -305,7 +336,7 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
         case RedOp::max: acc = std::max<std::int64_t>(acc, v); break;
       }
     }
-    if (c.redop == RedOp::avg) acc = static_cast<std::int32_t>(acc) / nranks;
+    if (c.redop == RedOp::avg && except < 0) acc = static_cast<std::int32_t>(acc) / nranks;
     return static_cast<std::int32_t>(acc);
   };
   // What was told final (NodeChannel::written) lies in the node's one
@@ -315,7 +346,7 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
   // direct (all-reduce; told as a whole or not at all elsewhere).
   for (int j = 0; j < nodes; ++j) {
     CAPTURE(j);
-    if (locals[j].size() != 1 || c.redop == RedOp::avg) {
+    if (locals[j].size() != 1 || (c.redop == RedOp::avg && !c.own_elsewhere)) {
       CHECK(told[j].empty());
       continue;
     }
@@ -361,7 +392,9 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
       switch (c.kind) {
         case OpKind::all_reduce: want = reduced(i); break;
         case OpKind::reduce: if (r != c.root) continue; want = reduced(i); break;
-        case OpKind::reduce_scatter: want = reduced(r * c.count + i); break;
+        case OpKind::reduce_scatter:
+          want = reduced(r * c.count + i, c.own_elsewhere ? r : -1);
+          break;
         case OpKind::broadcast: want = input(c.root, i); break;
         case OpKind::all_gather: want = input(static_cast<int>(i / c.count), i % c.count); break;
         case OpKind::all_to_all:
@@ -505,6 +538,77 @@ TEST_CASE("pairwise reduce-scatter and all-reduce with chunk reductions running 
           }
         }
       }
+    }
+  }
+}
+
+TEST_CASE("two nodes, one rank each: a reduce-scatter leaving its own contribution out (combined on "
+          "the client's GPU) writes the other node's, never reads its own segment") {
+  for (std::uint64_t chunk : {256ull, 1ull << 20}) {
+    NodeAlgorithmOptions o;
+    o.chunk_bytes = chunk;
+    for (std::uint64_t count : {1ull, 1001ull, 300001ull}) {
+      if (chunk == 256 && count > 1001) continue;  // thousands of chunks: long under the sanitizers
+      for (bool in_place : {false, true}) {
+        for (RedOp op : {RedOp::sum, RedOp::prod, RedOp::min, RedOp::max, RedOp::avg}) {
+          for (int parallelism : {1, 3}) {
+            CAPTURE(chunk);
+            CAPTURE(count);
+            CAPTURE(in_place);
+            CAPTURE(op);
+            CAPTURE(parallelism);
+            int placed = 0;
+            run({0, 1}, Case{OpKind::reduce_scatter, op, count, in_place, 0, true}, o, parallelism,
+                &placed);
+            // Chunks of 64 KiB or more are received straight into the output.
+            CHECK((placed > 0) == (count * 4 >= (64u << 10) && chunk >= (64u << 10)));
+            run({1, 0}, Case{OpKind::reduce_scatter, op, count, in_place, 0, true}, o, parallelism);
+          }
+        }
+      }
+    }
+  }
+  SUBCASE("refused where it does not hold: three nodes, two ranks on a node, the ring, another kind") {
+    NodeAlgorithmOptions o;
+    CHECK(reduce_scatter_own_elsewhere(2, o));
+    CHECK_FALSE(reduce_scatter_own_elsewhere(3, o));
+    o.algorithm = "ring";
+    CHECK_FALSE(reduce_scatter_own_elsewhere(2, o));
+    // A request that says so anyway fails before anything is sent.
+    for (const auto& [layout, kind, algorithm] :
+         std::vector<std::tuple<std::vector<int>, OpKind, std::string>>{
+             {{0, 1, 2}, OpKind::reduce_scatter, "auto"},
+             {{0, 1}, OpKind::reduce_scatter, "ring"},
+             {{0, 0, 1}, OpKind::reduce_scatter, "auto"},
+             {{0, 1}, OpKind::all_reduce, "auto"}}) {
+      CAPTURE(layout.size());
+      CAPTURE(kind);
+      const int nodes = *std::max_element(layout.begin(), layout.end()) + 1;
+      NodeAlgorithmOptions bad;
+      bad.algorithm = algorithm;
+      Fabric fabric(nodes);
+      MemChannel ch(fabric, 0, nodes, 1);
+      std::vector<std::int32_t> send(layout.size() * 64), recv(layout.size() * 64);
+      NodeCollective op;
+      op.kind = kind;
+      op.dtype = DType::int32;
+      op.count = 64;
+      op.nranks = static_cast<int>(layout.size());
+      op.node_of_rank = layout;
+      op.own_contribution_elsewhere = true;
+      for (int r = 0; r < op.nranks; ++r) {
+        if (layout[r] != 0) continue;
+        op.local.push_back(LocalBuffers{r, reinterpret_cast<std::byte*>(send.data()), send.size() * 4,
+                                        reinterpret_cast<std::byte*>(recv.data()) + r * 256, 256});
+      }
+      try {
+        run_node_collective(ch, op, bad, 1000);
+        FAIL("accepted");
+      } catch (const Error& e) {
+        CHECK(e.code() == Code::invalid_argument);
+        CHECK(std::string(e.what()).find("own contribution") != std::string::npos);
+      }
+      CHECK(fabric.empty());
     }
   }
 }

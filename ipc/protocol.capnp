@@ -410,6 +410,8 @@ struct AttachedGpu {
   clientStageMaxBytes @5 :UInt64;  # across nodes, rank buffers up to this many bytes (count x
                             # element size) the client stages itself (GpuSync.clientStaged);
                             # 0: never (gpu.client_stage_max_bytes, or an older daemon)
+  ownSegmentOnGpu @6 :Bool; # this daemon takes GpuSync.ownSegmentOnGpu (its reduce-scatter
+                            # between two nodes is pairwise); false from an older daemon
 }
 
 # The stream hand-off of one stream-ordered collective: the client recorded an
@@ -439,6 +441,11 @@ struct GpuSync {
   outPieceBytes @12 :UInt64;  # pieces (0: 1) of outPieceBytes, piece q once the done word
                             # reaches ticket - (outPieces - 1) + q (the daemon may write those
                             # values as the pieces become final)
+  ownSegmentOnGpu @13 :Bool; # clientStaged reduce-scatter over two nodes, one rank each (offered
+                            # by AttachedGpu.ownSegmentOnGpu): the client did not stage its own
+                            # segment of the input; the daemon writes the other node's
+                            # contribution to it, undivided for avg, to the output, and the
+                            # client's stream combines the two on the GPU
 }
 
 struct GpuStatus {

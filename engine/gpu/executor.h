@@ -56,6 +56,9 @@ class RankSync {
   /// buffers are host memory the client registered, which its stream filled
   /// before the ready word and reads back after the done word.
   bool client_staged = false;
+  /// Staged by the client, a reduce-scatter whose own segment the client
+  /// combines on its GPU (GpuSyncArgs::own_segment_on_gpu).
+  bool own_segment_on_gpu = false;
 };
 
 /// The wire's GpuSync fields.
@@ -80,6 +83,11 @@ struct GpuSyncArgs {
   /// word reaches ticket - (out_pieces - 1) + q. 1: once, at the ticket.
   std::uint32_t out_pieces = 1;
   std::uint64_t out_piece_bytes = 0;
+  /// Staged by the client, a reduce-scatter over two nodes: the client did
+  /// not stage its own segment of the input, and combines the other node's
+  /// contribution (the output the daemon writes) with it on the GPU
+  /// (engine::NodeCollective::own_contribution_elsewhere).
+  bool own_segment_on_gpu = false;
   std::uint64_t send_buffer_id = 0;
   std::uint64_t recv_buffer_id = 0;
 };

@@ -574,6 +574,11 @@ class CudaExecutor final : public GpuExecutor {
     sync->session = session;
     sync->graveyard = graveyard_;
     sync->client_staged = a.client_staged;
+    if (a.own_segment_on_gpu && !a.client_staged) {
+      throw Error(Code::invalid_argument,
+                  "ownSegmentOnGpu is for operations staged by the client (clientStaged)");
+    }
+    sync->own_segment_on_gpu = a.own_segment_on_gpu;
     if (a.client_staged && !a.event_handle.empty()) {
       throw Error(Code::invalid_argument,
                   "an operation staged by the client takes a ready word, not an event");
