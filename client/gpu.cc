@@ -11,6 +11,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <cstdio>
 #include <map>
@@ -383,6 +384,15 @@ Located locate_gpu(collective_client_t* client, GpuState& s, const void* ptr, st
   return Located{reg.handle, reinterpret_cast<cu::DevicePtr>(ptr) - a.base, a.buffer_id};
 }
 
+/// [lo, hi) without [skip_lo, skip_hi): up to two ranges, in order (an
+/// empty one has hi <= lo).
+std::array<std::pair<std::uint64_t, std::uint64_t>, 2> around(std::uint64_t lo, std::uint64_t hi,
+                                                               std::uint64_t skip_lo,
+                                                               std::uint64_t skip_hi) {
+  if (skip_hi <= skip_lo || skip_hi <= lo || hi <= skip_lo) return {{{lo, hi}, {hi, hi}}};
+  return {{{lo, std::max(lo, skip_lo)}, {std::min(hi, skip_hi), hi}}};
+}
+
 class StreamSubmit final : public GpuSubmit {
  public:
   /// `staged`: the communicator's staging, where this client stages the
@@ -491,88 +501,15 @@ class StreamSubmit final : public GpuSubmit {
     const cu::DevicePtr done = s_->flags_dev + 4 * word_;
     std::string what = "cuStreamWaitValue32 (the caller's stream waiting for the daemon)";
     cu::Result r = cu::kSuccess;
-    if (staged_ == nullptr) {
-      r = cu.cuStreamWaitValue32(stream_, done, ticket_, cu::kStreamWaitValueGeq);
-    } else {
-      // The daemon wrote each piece of the output into the staging before
-      // the done word reached its value (all of it by the ticket): each is
-      // copied back as soon as it is final, while the exchange goes on.
-      const std::uint32_t k = out_pieces_;
-      if (own_on_gpu_) {
-        // Each piece of the output: the other node's contribution, in the
-        // host staging once the done word says so, combined on the GPU with
-        // this rank's own segment of the input.
-        const ClientStaging::Kernels* kern = s_->stage_kernels(ctx_);
-        for (std::uint32_t q = 0; q < k && r == cu::kSuccess; ++q) {
-          r = cu.cuStreamWaitValue32(stream_, done, ipc::stage_piece_value(ticket_, k, q),
-                                     cu::kStreamWaitValueGeq);
-          const std::uint64_t at = q * out_piece_,
-                              len = std::min(out_piece_, copy_bytes_ - std::min(at, copy_bytes_));
-          if (r != cu::kSuccess || len == 0) continue;
-          try {
-            staged_->staging->kernel_reduce(*kern, stream_, own_src_ + at, lease_.recv_dev + at,
-                                            reinterpret_cast<cu::DevicePtr>(recv_) + at, len / es_,
-                                            dtype_, redop_, 2, node_ == 0);
-          } catch (const Error&) {
-            lock_.unlock();
-            throw;
-          }
-        }
-        if (r == cu::kSuccess) {
-          try {
-            staged_->staging->release(stream_);
-          } catch (const Error&) {
-            lock_.unlock();
-            throw;
-          }
-        }
-        lock_.unlock();
-        cu.check(r, "cuStreamWaitValue32 (the caller's stream waiting for the daemon)");
-        return;
+    try {
+      if (staged_ == nullptr) {
+        r = cu.cuStreamWaitValue32(stream_, done, ticket_, cu::kStreamWaitValueGeq);
+      } else {
+        r = copy_back(done, what);
       }
-      // A small output (one piece) is copied by a kernel: a launch costs the
-      // stream less than a copy engine's transfer (ClientStaging::kKernelMaxBytes).
-      const ClientStaging::Kernels* kern = s_->stage_kernels(ctx_);
-      const bool by_kernel =
-          kern != nullptr && k == 1 && copy_bytes_ <= ClientStaging::kKernelMaxBytes;
-      for (std::uint32_t q = 0; q < k && r == cu::kSuccess; ++q) {
-        r = cu.cuStreamWaitValue32(stream_, done, ipc::stage_piece_value(ticket_, k, q),
-                                   cu::kStreamWaitValueGeq);
-        const std::uint64_t at = q * out_piece_,
-                            len = std::min(out_piece_, copy_bytes_ - std::min(at, copy_bytes_));
-        if (r != cu::kSuccess || len == 0) continue;
-        if (by_kernel) {
-          try {
-            staged_->staging->kernel_out(*kern, stream_, lease_,
-                                         reinterpret_cast<cu::DevicePtr>(recv_), len);
-          } catch (const Error&) {
-            lock_.unlock();
-            throw;
-          }
-        } else {
-          // Around the rank's own block where the GPU has it already.
-          const std::uint64_t end = at + len;
-          std::pair<std::uint64_t, std::uint64_t> parts[2] = {{at, end}, {end, end}};
-          if (own_hi_ > own_lo_ && own_lo_ < end && at < own_hi_) {
-            parts[0] = {at, std::max(at, own_lo_)};
-            parts[1] = {std::min(end, own_hi_), end};
-          }
-          for (const auto& [lo, hi] : parts) {
-            if (hi <= lo || r != cu::kSuccess) continue;
-            r = cu.cuMemcpyHtoDAsync(reinterpret_cast<cu::DevicePtr>(recv_) + lo, lease_.recv + lo,
-                                     hi - lo, stream_);
-          }
-          what = "copy of the output from host staging (cuMemcpyHtoDAsync)";
-        }
-      }
-      if (r == cu::kSuccess) {
-        try {
-          staged_->staging->release(stream_);
-        } catch (const Error&) {
-          lock_.unlock();
-          throw;
-        }
-      }
+    } catch (const Error&) {
+      lock_.unlock();
+      throw;
     }
     lock_.unlock();
     cu.check(r, what);
@@ -583,6 +520,47 @@ class StreamSubmit final : public GpuSubmit {
   }
 
  private:
+  /// Staged by the client: the daemon wrote each piece of the output into
+  /// the staging before the done word reached its value (all of it by the
+  /// ticket): the stream copies each back as soon as it is final, while the
+  /// exchange goes on. gpu_mutex held, the stream's context current.
+  cu::Result copy_back(cu::DevicePtr done, std::string& what) {
+    const CudaDriver& cu = *s_->cu;
+    const std::uint32_t k = out_pieces_;
+    const ClientStaging::Kernels* kern = s_->stage_kernels(ctx_);
+    // A small output (one piece) is copied by a kernel: a launch costs the
+    // stream less than a copy engine's transfer (ClientStaging::kKernelMaxBytes).
+    const bool by_kernel = !own_on_gpu_ && kern != nullptr && k == 1 &&
+                           copy_bytes_ <= ClientStaging::kKernelMaxBytes;
+    cu::Result r = cu::kSuccess;
+    for (std::uint32_t q = 0; q < k && r == cu::kSuccess; ++q) {
+      r = cu.cuStreamWaitValue32(stream_, done, ipc::stage_piece_value(ticket_, k, q),
+                                 cu::kStreamWaitValueGeq);
+      const std::uint64_t at = q * out_piece_,
+                          len = std::min(out_piece_, copy_bytes_ - std::min(at, copy_bytes_));
+      if (r != cu::kSuccess || len == 0) continue;
+      const auto dst = reinterpret_cast<cu::DevicePtr>(recv_) + at;
+      if (own_on_gpu_) {
+        // The other node's contribution, combined on the GPU with this
+        // rank's own segment of the input.
+        staged_->staging->kernel_reduce(*kern, stream_, own_src_ + at, lease_.recv_dev + at, dst,
+                                        len / es_, dtype_, redop_, 2, node_ == 0);
+      } else if (by_kernel) {
+        staged_->staging->kernel_out(*kern, stream_, lease_, dst, len);
+      } else {
+        // Around the rank's own block where the GPU has it already.
+        for (const auto& [lo, hi] : around(at, at + len, own_lo_, own_hi_)) {
+          if (hi <= lo || r != cu::kSuccess) continue;
+          r = cu.cuMemcpyHtoDAsync(reinterpret_cast<cu::DevicePtr>(recv_) + lo, lease_.recv + lo,
+                                   hi - lo, stream_);
+        }
+        what = "copy of the output from host staging (cuMemcpyHtoDAsync)";
+      }
+    }
+    if (r == cu::kSuccess) staged_->staging->release(stream_);
+    return r;
+  }
+
   /// Staged by the client: the input goes to host staging on the caller's
   /// stream, then the ready word; the request names the staging (host
   /// registrations) and says so (GpuSync.clientStaged). gpu_mutex held, the
@@ -703,12 +681,7 @@ class StreamSubmit final : public GpuSubmit {
       const std::uint64_t at = ((first + q) % pieces) * piece,
                           end = at + std::min(piece, send_bytes - at);
       // Around the own segment where it stays on the GPU.
-      std::pair<std::uint64_t, std::uint64_t> parts[2] = {{at, end}, {end, end}};
-      if (own_hi > own_lo && own_lo < end && at < own_hi) {
-        parts[0] = {at, std::max(at, own_lo)};
-        parts[1] = {std::min(end, own_hi), end};
-      }
-      for (const auto& [lo, hi] : parts) {
+      for (const auto& [lo, hi] : around(at, end, own_lo, own_hi)) {
         if (hi <= lo) continue;
         cu.check(cu.cuMemcpyDtoHAsync(lease_.send + lo, reinterpret_cast<cu::DevicePtr>(send) + lo,
                                       hi - lo, stream_),
