@@ -778,6 +778,13 @@ DirectComm* direct_for(collective_comm_t* comm, const std::shared_ptr<GpuState>&
              ? " (up to " + std::to_string(ClientStaging::kKernelMaxBytes) +
                    " bytes by its staging kernels)"
              : " (by copy engines: no CUDA context was current when the communicator was made)");
+    // Said where it holds: two nodes, one rank each, a daemon that offers it
+    // and the kernels loaded (StreamSubmit::fill_staged).
+    if (kernels && s->own_segment_on_gpu && comm_nodes(comm) == 2 &&
+        collective_comm_size(comm) == 2) {
+      g.path += "; a reduce-scatter keeps its own segment on the GPU (the daemon moves the other "
+                "node's part only)";
+    }
   }
   g.state = 2;
   return g.direct.get();
