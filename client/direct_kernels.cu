@@ -406,6 +406,16 @@ __device__ __forceinline__ void block_range(u64s bytes, u64s& lo, u64s& hi) {
   hi = min(bytes, lo + per * 16);
 }
 
+/// 16 bytes of host memory another process may have written since this
+/// kernel started: not from a cache line an earlier kernel read.
+__device__ __forceinline__ uint4 load_volatile16(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 /// Copies [lo, hi) of src to dst; loads are volatile where `from_host`: host
 /// memory the daemon wrote after this kernel started must not come from a
 /// cache line an earlier kernel read.
@@ -417,15 +427,7 @@ __device__ __forceinline__ void stage_copy(const unsigned char* src, unsigned ch
     const uint4* s = reinterpret_cast<const uint4*>(src + lo);
     uint4* d = reinterpret_cast<uint4*>(dst + lo);
     for (u64s k = threadIdx.x; k < n16; k += blockDim.x) {
-      uint4 v;
-      if (from_host) {
-        asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "l"(s + k));
-      } else {
-        v = s[k];
-      }
-      d[k] = v;
+      d[k] = from_host ? load_volatile16(s + k) : s[k];
     }
     at = lo + n16 * 16;
   }
@@ -460,11 +462,6 @@ extern "C" __global__ void __launch_bounds__(512)
 }
 
 namespace {
-/// out[i] = the host reduction of the two nodes' contributions, in node
-/// order (`own_first`: this rank's node is node 0), with avg as the host
-/// finishes it: the sum stored as T, then divided (engine/node_algorithms.cc,
-/// a one-rank pairwise reduce-scatter, then finish_avg). The other node's
-/// contribution is read from host staging the daemon wrote (volatile loads).
 /// A volatile load of one element, through an unsigned type of its size
 /// (__half and __nv_bfloat16 have no volatile copy).
 template <typename T>
@@ -478,6 +475,10 @@ __device__ __forceinline__ T load_volatile(const T* p) {
   return v;
 }
 
+/// The host reduction of the two nodes' contributions, in node order
+/// (`own_first`: this rank's node is node 0), with avg as the host finishes
+/// it: the sum stored as T, then divided (engine/node_algorithms.cc, a
+/// one-rank pairwise reduce-scatter, then finish_avg).
 template <typename T, RedOp O>
 __device__ __forceinline__ T stage_combine(T o, T h, u32 nranks, bool own_first) {
   using Tr = Traits<T>;
@@ -488,6 +489,8 @@ __device__ __forceinline__ T stage_combine(T o, T h, u32 nranks, bool own_first)
   return v;
 }
 
+/// out[i] = stage_combine(own[i], host[i]); `host` is the staging the
+/// daemon wrote (volatile loads).
 template <typename T, RedOp O>
 __device__ void stage_reduce_typed(const T* own, const T* host, T* out, u64s count, u32 nranks,
                                    bool own_first) {
@@ -501,10 +504,7 @@ __device__ void stage_reduce_typed(const T* own, const T* host, T* out, u64s cou
         reinterpret_cast<std::uintptr_t>(out)) & 15) == 0) {
     const u64s packs = count / V;
     for (u64s k = tid; k < packs; k += stride) {
-      uint4 hb;
-      asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(hb.x), "=r"(hb.y), "=r"(hb.z), "=r"(hb.w)
-                   : "l"(reinterpret_cast<const uint4*>(host) + k));
+      const uint4 hb = load_volatile16(reinterpret_cast<const uint4*>(host) + k);
       const uint4 ob = reinterpret_cast<const uint4*>(own)[k];
       T hv[V], ov[V], r[V];
       memcpy(hv, &hb, 16);

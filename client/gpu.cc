@@ -384,6 +384,12 @@ Located locate_gpu(collective_client_t* client, GpuState& s, const void* ptr, st
   return Located{reg.handle, reinterpret_cast<cu::DevicePtr>(ptr) - a.base, a.buffer_id};
 }
 
+/// Two ranks on two nodes: a staged reduce-scatter may keep its own segment
+/// on the GPU (where the daemon offers it, AttachedGpu.ownSegmentOnGpu).
+bool two_nodes_one_rank_each(const collective_comm_t* comm) {
+  return comm_nodes(comm) == 2 && collective_comm_size(comm) == 2;
+}
+
 /// [lo, hi) without [skip_lo, skip_hi): up to two ranges, in order (an
 /// empty one has hi <= lo).
 std::array<std::pair<std::uint64_t, std::uint64_t>, 2> around(std::uint64_t lo, std::uint64_t hi,
@@ -528,10 +534,6 @@ class StreamSubmit final : public GpuSubmit {
     const CudaDriver& cu = *s_->cu;
     const std::uint32_t k = out_pieces_;
     const ClientStaging::Kernels* kern = s_->stage_kernels(ctx_);
-    // A small output (one piece) is copied by a kernel: a launch costs the
-    // stream less than a copy engine's transfer (ClientStaging::kKernelMaxBytes).
-    const bool by_kernel = !own_on_gpu_ && kern != nullptr && k == 1 &&
-                           copy_bytes_ <= ClientStaging::kKernelMaxBytes;
     cu::Result r = cu::kSuccess;
     for (std::uint32_t q = 0; q < k && r == cu::kSuccess; ++q) {
       r = cu.cuStreamWaitValue32(stream_, done, ipc::stage_piece_value(ticket_, k, q),
@@ -543,9 +545,10 @@ class StreamSubmit final : public GpuSubmit {
       if (own_on_gpu_) {
         // The other node's contribution, combined on the GPU with this
         // rank's own segment of the input.
+        const std::uint64_t es = collective_dtype_size(static_cast<collective_dtype_t>(dtype_));
         staged_->staging->kernel_reduce(*kern, stream_, own_src_ + at, lease_.recv_dev + at, dst,
-                                        len / es_, dtype_, redop_, 2, node_ == 0);
-      } else if (by_kernel) {
+                                        len / es, dtype_, redop_, 2, node_ == 0);
+      } else if (out_by_kernel_) {
         staged_->staging->kernel_out(*kern, stream_, lease_, dst, len);
       } else {
         // Around the rank's own block where the GPU has it already.
@@ -669,8 +672,11 @@ class StreamSubmit final : public GpuSubmit {
       own_src_ = reinterpret_cast<cu::DevicePtr>(send) + own_lo;
       dtype_ = c.asReader().getDtype();
       redop_ = c.asReader().getRedop();
-      es_ = collective_dtype_size(static_cast<collective_dtype_t>(dtype_));
     }
+    // A small output (one piece) is copied back by a kernel: a launch costs
+    // the stream less than a copy engine's transfer (ClientStaging::kKernelMaxBytes).
+    out_by_kernel_ = !own_on_gpu_ && kern != nullptr && out_pieces_ == 1 &&
+                     copy_bytes_ <= ClientStaging::kKernelMaxBytes;
     const bool k_in = kern != nullptr && pieces == 1 && send_bytes > 0 &&
                       send_bytes <= ClientStaging::kKernelMaxBytes;
     if (k_in) {
@@ -690,21 +696,17 @@ class StreamSubmit final : public GpuSubmit {
       mark_ready(ipc::stage_piece_value(ticket_, pieces, q));
     }
     if (send_bytes == 0) mark_ready(ticket_);
-    if (gather_in_place) {
-      const bool by_kernel = kern != nullptr && out_pieces_ == 1 &&
-                             copy_bytes_ <= ClientStaging::kKernelMaxBytes;
-      if (!by_kernel) {
-        // The rank's own block of the output, on the GPU: copied there from
-        // the input (nothing where the caller's all-gather is in place), not
-        // back from the host staging. The daemon's exchange goes on meanwhile.
-        own_lo_ = send_at;
-        own_hi_ = send_at + send_bytes;
-        const auto dst = reinterpret_cast<cu::DevicePtr>(recv) + own_lo_,
-                   src = reinterpret_cast<cu::DevicePtr>(send);
-        if (dst != src) {
-          cu.check(cu.cuMemcpyDtoDAsync(dst, src, send_bytes, stream_),
-                   "copy of the rank's own block of the all-gather output (cuMemcpyDtoDAsync)");
-        }
+    if (gather_in_place && !out_by_kernel_) {
+      // The rank's own block of the output, on the GPU: copied there from
+      // the input (nothing where the caller's all-gather is in place), not
+      // back from the host staging. The daemon's exchange goes on meanwhile.
+      own_lo_ = send_at;
+      own_hi_ = send_at + send_bytes;
+      const auto dst = reinterpret_cast<cu::DevicePtr>(recv) + own_lo_,
+                 src = reinterpret_cast<cu::DevicePtr>(send);
+      if (dst != src) {
+        cu.check(cu.cuMemcpyDtoDAsync(dst, src, send_bytes, stream_),
+                 "copy of the rank's own block of the all-gather output (cuMemcpyDtoDAsync)");
       }
     }
     auto g = c.initGpu();
@@ -730,7 +732,7 @@ class StreamSubmit final : public GpuSubmit {
   bool own_on_gpu_ = false;
   cu::DevicePtr own_src_ = 0;
   std::uint8_t dtype_ = 0, redop_ = 0;
-  std::uint64_t es_ = 1;
+  bool out_by_kernel_ = false;  // the output is copied back by kernel_out
   ClientStaging::Lease lease_;
   const void* recv_ = nullptr;
   std::uint64_t copy_bytes_ = 0;  // of the output, copied back from the staging
@@ -780,8 +782,7 @@ DirectComm* direct_for(collective_comm_t* comm, const std::shared_ptr<GpuState>&
              : " (by copy engines: no CUDA context was current when the communicator was made)");
     // Said where it holds: two nodes, one rank each, a daemon that offers it
     // and the kernels loaded (StreamSubmit::fill_staged).
-    if (kernels && s->own_segment_on_gpu && comm_nodes(comm) == 2 &&
-        collective_comm_size(comm) == 2) {
+    if (kernels && s->own_segment_on_gpu && two_nodes_one_rank_each(comm)) {
       g.path += "; a reduce-scatter keeps its own segment on the GPU (the daemon moves the other "
                 "node's part only)";
     }
@@ -879,7 +880,7 @@ collective_result_t stream_op(collective_comm_t* comm, wire::OpKind kind, const 
   }
   StreamSubmit submit(comm_client(comm), s, static_cast<cu::Stream>(stream),
                       staged ? &comm_gpu(comm) : nullptr, first_byte, collective_comm_rank(comm),
-                      nodes == 2 && collective_comm_size(comm) == 2, comm_node(comm));
+                      two_nodes_one_rank_each(comm), comm_node(comm));
   return submit_gpu_collective(comm, kind, send, send_bytes, recv, recv_bytes, count, dtype, redop,
                                root, name, request, submit);
 }

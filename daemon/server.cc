@@ -54,6 +54,8 @@ engine::EngineOptions engine_options(const config::Profile& p, engine::EngineObs
   return o;
 }
 
+}  // namespace
+
 engine::NodeAlgorithmOptions node_algorithms(const config::Profile& p) {
   engine::NodeAlgorithmOptions o;
   o.algorithm = p.collectives.algorithm;
@@ -71,6 +73,8 @@ engine::NodeAlgorithmOptions node_algorithms(const config::Profile& p) {
                                                               : p.tcp.chunk_bytes / 2;
   return o;
 }
+
+namespace {
 
 engine::RegistryLimits registry_limits(const config::Profile& p) {
   return {.max_total_bytes = p.memory.max_registered_bytes,

@@ -33,6 +33,10 @@ struct ProfileSource {
   std::vector<std::string> overrides;  ///< --set arguments
 };
 
+/// The profile's rules for collectives between nodes (collectives.*, and
+/// the transfer chunk from tcp.chunk_bytes).
+engine::NodeAlgorithmOptions node_algorithms(const config::Profile& p);
+
 /// Owns everything the daemon serves with. main() builds it from a loaded
 /// profile and calls run(); nothing here is global.
 class Server final : public SessionHost {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <mutex>
 
+#include "daemon/server.h"
 #include "daemon/session.h"
 #include "engine/dtype.h"
 #include "engine/node_algorithms.h"
@@ -143,10 +144,8 @@ void ClientSession::handle_attach_gpu(std::uint64_t id, wire::AttachGpu::Reader 
   a.setClientStageMaxBytes(stage_max);
   // A staged reduce-scatter over two nodes may leave the rank's own segment
   // on its GPU where this daemon's reduce-scatter between them is pairwise.
-  engine::NodeAlgorithmOptions algorithms;
-  algorithms.algorithm = host_.profile().collectives.algorithm;
-  algorithms.pairwise_max_nodes = static_cast<int>(host_.profile().collectives.pairwise_max_nodes);
-  a.setOwnSegmentOnGpu(engine::reduce_scatter_own_elsewhere(2, algorithms));
+  a.setOwnSegmentOnGpu(
+      engine::reduce_scatter_own_elsewhere(2, node_algorithms(host_.profile())));
   send(ipc::encode_frame(b));
 }
 
