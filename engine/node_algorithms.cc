@@ -1023,7 +1023,10 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
           (L.size() != 1 || !reduce_scatter_own_elsewhere(n, options))) {
         throw Error(Code::invalid_argument,
                     "a reduce-scatter leaving its own contribution to the client takes one rank "
-                    "per node, two nodes and the pairwise algorithm (collectives.algorithm)");
+                    "per node, two nodes and the pairwise algorithm; here node " +
+                        std::to_string(me) + " of " + std::to_string(n) + " has " +
+                        std::to_string(L.size()) + " ranks, collectives.algorithm " +
+                        options.algorithm);
       }
       if (L.size() == 1 && use_pairwise(n, options)) {
         // One rank: its input is read in place and its segment reduced
