@@ -489,20 +489,37 @@ class EngineChannel final : public NodeChannel {
   /// Until the first `need` pieces in copy order are in (InPieces), within
   /// the deadline; `rank`: whose input, for the errors (-1: this node's).
   void wait_pieces(std::uint32_t need, int rank) {
-    while (in_pieces->reached.load(std::memory_order_acquire) < need) {
+    const auto since = Clock::now();
+    for (;;) {
+      // The clients' ready words, read here (InPieces::poll): the completion
+      // thread sees them too, but wakes this fiber only once it has answered
+      // what else it found done.
+      in_pieces->poll();
+      if (in_pieces->reached.load(std::memory_order_acquire) >= need) return;
       {
         std::lock_guard lock(I_.mu);
         check_ended_locked(rank);
       }
-      if (Clock::now() >= deadline_) {
+      const auto now = Clock::now();
+      if (now >= deadline_) {
         throw Error(Code::timeout, "timed out after " + std::to_string(budget_.count()) +
                                        " ms (deadlines.operation_ms) waiting for " +
                                        input_of(rank) + " to reach host memory");
       }
-      // Until the completion thread sees the next piece in (InPieces::on_change).
-      Executor::wait(*comm_->exec);
+      if (!in_pieces->marks.empty() && now - since < kPollPieces) {
+        // A stream's hand-off takes tens of microseconds: read the words
+        // again after the event loop's other handlers (it spins that long
+        // anyway, workers.event_loop_spin_us).
+        Executor::yield(comm_->exec);
+      } else {
+        // Until the completion thread sees the next piece in (InPieces::on_change).
+        Executor::wait(*comm_->exec);
+      }
     }
   }
+  /// How long wait_pieces reads the clients' ready words itself before it
+  /// leaves that to the completion thread.
+  static constexpr std::chrono::microseconds kPollPieces{100};
 
  private:
   Engine::Impl& I_;

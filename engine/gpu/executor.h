@@ -171,6 +171,36 @@ struct InPieces {
     }
     if (w) w();
   }
+  /// A client's ready word: the value its stream writes there once a piece
+  /// of its input is in host memory.
+  struct ReadyMark {
+    std::shared_ptr<const void> page;  // keeps `word` mapped
+    const std::atomic<std::uint32_t>* word = nullptr;
+    std::uint32_t value = 0;
+  };
+  /// Where every local rank stages its input itself (GpuSync.clientStaged):
+  /// per piece in copy order, the ranks' ready marks. Empty otherwise (the
+  /// daemon's own copies: only the completion thread knows).
+  std::vector<std::vector<ReadyMark>> marks;
+
+  /// Reads the ready marks (where there are) and counts the pieces they
+  /// show in as reached, without waking anyone: for the thread that waits
+  /// for the pieces, which then need not wait for the completion thread to
+  /// see the same words, finish what it is doing and wake it. Any thread.
+  void poll() {
+    std::uint32_t k = reached.load(std::memory_order_acquire);
+    const std::uint32_t was = k;
+    while (k < marks.size() &&
+           std::all_of(marks[k].begin(), marks[k].end(), [](const ReadyMark& m) {
+             return static_cast<std::int32_t>(m.word->load(std::memory_order_acquire) - m.value) >= 0;
+           })) {
+      ++k;
+    }
+    if (k == was) return;
+    std::lock_guard lock(mu_);
+    if (k > reached.load()) reached.store(k, std::memory_order_release);
+  }
+
   /// What to call when `reached` or `failed` changes (the host collective's
   /// executor).
   void on_change(std::function<void()> wake) {

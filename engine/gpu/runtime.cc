@@ -966,6 +966,12 @@ class CudaExecutor final : public GpuExecutor {
             client_pieces[q].emplace_back(cs, copies_input(r) ? cs->piece_value(q) : cs->ticket);
           }
         }
+        st->in->marks.resize(k);
+        for (std::uint32_t q = 0; q < k; ++q) {
+          for (const auto& [cs, value] : client_pieces[q]) {
+            st->in->marks[q].push_back({cs->flags, cs->flags->word(cs->ready_word), value});
+          }
+        }
         pieces = k;
         p.done = [in = st->in, ready = std::move(p.done)](Code code, std::string why) {
           in->arrived(0, code, why);
