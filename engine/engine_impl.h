@@ -908,7 +908,7 @@ struct Engine::Impl {
         const std::uint64_t in = one * (op.kind == OpKind::reduce_scatter ? cp->nranks : 1);
         op.in_piece_bytes = ipc::stage_piece_bytes(in);  // the client's rule too
         op.in_first_byte = first_input_read(op.kind, op.count, op.dtype, cp->node_of_rank, cp->my_node,
-                                            static_cast<int>(cp->node_address.size()));
+                                            static_cast<int>(cp->node_address.size()), algorithms);
       }
     }
     // Host spans on the staging: the host collective's buffers.

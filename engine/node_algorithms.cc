@@ -782,10 +782,10 @@ bool reads_input_in_pieces(OpKind kind, std::uint64_t bytes, int nranks, int loc
                            const NodeAlgorithmOptions& options) {
   if (local_ranks != 1 || nodes < 2 || bytes == 0) return false;
   switch (kind) {
-    case OpKind::all_reduce: return !use_direct(bytes, options) && use_pairwise(nodes, options);
+    case OpKind::all_reduce: return use_direct(bytes, options) || use_pairwise(nodes, options);
     case OpKind::all_gather:
-      return all_gather_kind(bytes * static_cast<std::uint64_t>(nranks), nodes, options) ==
-             GatherKind::pairwise;
+      return all_gather_kind(bytes * static_cast<std::uint64_t>(nranks), nodes, options) !=
+             GatherKind::ring;
     case OpKind::reduce_scatter: return use_pairwise(nodes, options);
     case OpKind::broadcast: return true;
     default: return false;
@@ -793,9 +793,11 @@ bool reads_input_in_pieces(OpKind kind, std::uint64_t bytes, int nranks, int loc
 }
 
 std::uint64_t first_input_read(OpKind kind, std::uint64_t count, DType dtype,
-                               const std::vector<int>& node_of_rank, int node, int nodes) {
+                               const std::vector<int>& node_of_rank, int node, int nodes,
+                               const NodeAlgorithmOptions& options) {
   if (nodes < 2) return 0;
   const std::size_t es = dtype_size(dtype);
+  if (kind == OpKind::all_reduce && use_direct(count * es, options)) return 0;  // read whole
   const int next = (node + 1) % nodes;
   std::vector<Segment> segs;
   if (kind == OpKind::all_reduce) segs = even_segments(count, es, nodes);
@@ -916,7 +918,12 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
       // One rank on the node, pairwise: no local pass (see below).
       const bool one_rank = L.size() == 1 && !use_direct(one, options) && use_pairwise(n, options) &&
                             segs[me].size() <= 1;
-      if (!one_rank) local_reduce(w, one);
+      if (!one_rank) {
+        // The direct one reads the whole input here, in whatever pieces it
+        // arrives (reads_input_in_pieces).
+        if (in_pieces) ch.reading(L[0].send, one);
+        local_reduce(w, one);
+      }
       algo.tell_final(tell);
       if (use_direct(one, options)) {
         if (n > 1) algo.direct_all_reduce(w, one, op.dtype, combine, 1);

@@ -189,9 +189,9 @@ std::string node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
 /// Whether run_node_collective, for an operation of this shape, calls
 /// NodeChannel::reading before every read of its local rank's input, piece
 /// by piece in the order it reads them, so that the input may still be
-/// arriving when it starts: one rank on the node, and the pairwise
-/// all-reduce, all-gather and reduce-scatter, or a broadcast. `bytes`: count
-/// x element size of one rank.
+/// arriving when it starts: one rank on the node, and the direct or pairwise
+/// all-reduce and all-gather, the pairwise reduce-scatter, or a broadcast.
+/// `bytes`: count x element size of one rank.
 bool reads_input_in_pieces(OpKind kind, std::uint64_t bytes, int nranks, int local_ranks, int nodes,
                            const NodeAlgorithmOptions& options);
 
@@ -205,10 +205,12 @@ bool reduce_scatter_own_elsewhere(int nodes, const NodeAlgorithmOptions& options
 /// Where, in its local rank's input, an operation that reads_input_in_pieces
 /// reads first (bytes from the start): the pairwise reduce-scatter (and
 /// all-reduce) sends the next node's segment first, then the others in node
-/// order, its own last. Staging copies the input from there on, wrapping
-/// around, so that the first send does not wait for the whole input.
+/// order, its own last; the direct all-reduce and the all-gathers read from
+/// the start. Staging copies the input from there on, wrapping around, so
+/// that the first send does not wait for the whole input.
 std::uint64_t first_input_read(OpKind kind, std::uint64_t count, DType dtype,
-                               const std::vector<int>& node_of_rank, int node, int nodes);
+                               const std::vector<int>& node_of_rank, int node, int nodes,
+                               const NodeAlgorithmOptions& options);
 
 /// A local rank's buffers for one operation (null/0 where it has none).
 struct LocalBuffers {

@@ -304,7 +304,7 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
         run_node_collective(ch, op, o, 1000);
         if (ch.stray_reads != 0) errors[j] = "reading() of bytes that are no input";
         if (ch.first_read &&
-            *ch.first_read != first_input_read(op.kind, c.count, op.dtype, node_of_rank, j, nodes)) {
+            *ch.first_read != first_input_read(op.kind, c.count, op.dtype, node_of_rank, j, nodes, o)) {
           errors[j] = "read its input first at byte " + std::to_string(*ch.first_read) +
                       ", not where first_input_read says";
         }
