@@ -188,14 +188,13 @@ struct InPieces {
   /// for the pieces, which then need not wait for the completion thread to
   /// see the same words, finish what it is doing and wake it. Any thread.
   void poll() {
+    auto seen = [](const ReadyMark& m) {
+      // Wrap-aware, as the streams' waits compare (tickets wrap around).
+      return static_cast<std::int32_t>(m.word->load(std::memory_order_acquire) - m.value) >= 0;
+    };
     std::uint32_t k = reached.load(std::memory_order_acquire);
     const std::uint32_t was = k;
-    while (k < marks.size() &&
-           std::all_of(marks[k].begin(), marks[k].end(), [](const ReadyMark& m) {
-             return static_cast<std::int32_t>(m.word->load(std::memory_order_acquire) - m.value) >= 0;
-           })) {
-      ++k;
-    }
+    while (k < marks.size() && std::all_of(marks[k].begin(), marks[k].end(), seen)) ++k;
     if (k == was) return;
     std::lock_guard lock(mu_);
     if (k > reached.load()) reached.store(k, std::memory_order_release);
