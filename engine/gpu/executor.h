@@ -174,13 +174,15 @@ struct InPieces {
   /// A client's ready word: the value its stream writes there once a piece
   /// of its input is in host memory.
   struct ReadyMark {
-    std::shared_ptr<const void> page;  // keeps `word` mapped
     const std::atomic<std::uint32_t>* word = nullptr;
     std::uint32_t value = 0;
   };
   /// Where every local rank stages its input itself (GpuSync.clientStaged):
   /// per piece in copy order, the ranks' ready marks. Empty otherwise (the
-  /// daemon's own copies: only the completion thread knows).
+  /// daemon's own copies: only the completion thread knows). The words are
+  /// mapped while the operation runs (its rank syncs hold their flag pages,
+  /// which are released off the event loop): poll() only then. Holding the
+  /// pages here would let the last of them go wherever this goes.
   std::vector<std::vector<ReadyMark>> marks;
 
   /// Reads the ready marks (where there are) and counts the pieces they

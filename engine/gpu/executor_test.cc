@@ -7,9 +7,9 @@
 
 #include <doctest/doctest.h>
 
+#include <array>
 #include <atomic>
 #include <cstdint>
-#include <memory>
 
 #include "ipc/stage_pieces.h"
 
@@ -21,7 +21,7 @@ namespace {
 /// Two ranks' ready words and an InPieces of `pieces` pieces whose values
 /// are the client rule's (stage_piece_value) for `ticket`.
 struct Two {
-  std::shared_ptr<std::atomic<std::uint32_t>[]> words { new std::atomic<std::uint32_t>[ 2 ] };
+  std::array<std::atomic<std::uint32_t>, 2> words;
   InPieces in;
   std::uint32_t ticket;
   Two(std::uint32_t pieces, std::uint32_t t, std::uint32_t start) : ticket(t) {
@@ -32,8 +32,7 @@ struct Two {
     in.marks.resize(pieces);
     for (std::uint32_t q = 0; q < pieces; ++q) {
       for (int r = 0; r < 2; ++r) {
-        in.marks[q].push_back(
-            {words, &words[r], collectived::ipc::stage_piece_value(t, pieces, q)});
+        in.marks[q].push_back({&words[r], collectived::ipc::stage_piece_value(t, pieces, q)});
       }
     }
   }

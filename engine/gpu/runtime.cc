@@ -969,7 +969,7 @@ class CudaExecutor final : public GpuExecutor {
         st->in->marks.resize(k);
         for (std::uint32_t q = 0; q < k; ++q) {
           for (const auto& [cs, value] : client_pieces[q]) {
-            st->in->marks[q].push_back({cs->flags, cs->flags->word(cs->ready_word), value});
+            st->in->marks[q].push_back({cs->flags->word(cs->ready_word), value});
           }
         }
         pieces = k;
