@@ -176,6 +176,11 @@ struct InPieces {
   struct ReadyMark {
     const std::atomic<std::uint32_t>* word = nullptr;
     std::uint32_t value = 0;
+    /// Set (before it writes the word) where the daemon released the word
+    /// itself, for a client that died or a deadline that passed: the value
+    /// then says nothing of the input, and the completion thread reports
+    /// the failure. Null: never.
+    const std::atomic<bool>* forced = nullptr;
   };
   /// Where every local rank stages its input itself (GpuSync.clientStaged):
   /// per piece in copy order, the ranks' ready marks. Empty otherwise (the
@@ -191,8 +196,11 @@ struct InPieces {
   /// see the same words, finish what it is doing and wake it. Any thread.
   void poll() {
     auto seen = [](const ReadyMark& m) {
+      const std::uint32_t v = m.word->load(std::memory_order_acquire);
+      // After the word: a forced value is read with its flag set.
+      if (m.forced != nullptr && m.forced->load(std::memory_order_acquire)) return false;
       // Wrap-aware, as the streams' waits compare (tickets wrap around).
-      return static_cast<std::int32_t>(m.word->load(std::memory_order_acquire) - m.value) >= 0;
+      return static_cast<std::int32_t>(v - m.value) >= 0;
     };
     std::uint32_t k = reached.load(std::memory_order_acquire);
     const std::uint32_t was = k;

@@ -22,6 +22,7 @@ namespace {
 /// are the client rule's (stage_piece_value) for `ticket`.
 struct Two {
   std::array<std::atomic<std::uint32_t>, 2> words;
+  std::array<std::atomic<bool>, 2> forced{};
   InPieces in;
   std::uint32_t ticket;
   Two(std::uint32_t pieces, std::uint32_t t, std::uint32_t start) : ticket(t) {
@@ -32,7 +33,8 @@ struct Two {
     in.marks.resize(pieces);
     for (std::uint32_t q = 0; q < pieces; ++q) {
       for (int r = 0; r < 2; ++r) {
-        in.marks[q].push_back({&words[r], collectived::ipc::stage_piece_value(t, pieces, q)});
+        in.marks[q].push_back(
+            {&words[r], collectived::ipc::stage_piece_value(t, pieces, q), &forced[r]});
       }
     }
   }
@@ -91,6 +93,21 @@ TEST_CASE("InPieces::poll wakes nobody; the completion thread's later arrival ch
   CHECK(t.in.reached.load() == 2);
   CHECK(wakes == 1);
   CHECK_FALSE(t.in.failed.load());
+}
+
+TEST_CASE("InPieces::poll does not take a word the daemon released for its input") {
+  // A client that died, or a deadline that passed: the daemon writes the
+  // ready word itself (release_ready), flag first. The input never came;
+  // the completion thread reports the failure instead.
+  Two t(1, 7, 6);
+  t.write(0, 0);
+  t.forced[1] = true;
+  t.write(1, 0);
+  t.in.poll();
+  CHECK(t.in.reached.load() == 0);
+  t.in.arrived(0, Code::aborted, "rank 1 disconnected");
+  CHECK(t.in.failed.load());
+  CHECK(t.in.reached.load() == 0);
 }
 
 TEST_CASE("InPieces without marks (the daemon's own copies) is left to the completion thread") {

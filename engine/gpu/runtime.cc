@@ -355,8 +355,13 @@ class Sync final : public RankSync {
   std::uint64_t out_piece_bytes = 0;
   /// The client died, or the deadline passed: let the daemon's streams past its input.
   void release_ready() const {
+    // First: a thread reading the word (InPieces::poll) must not take the
+    // value written here for the client's input.
+    forced.store(true, std::memory_order_release);
     if (!event) advance(ready_word);
   }
+  /// release_ready wrote the ready word: the input it marks never came.
+  mutable std::atomic<bool> forced{false};
   /// Lets the client's stream go on from the CPU (failed or timed out).
   void release_done() const {
     if (holds_done) advance(word);
@@ -969,7 +974,7 @@ class CudaExecutor final : public GpuExecutor {
         st->in->marks.resize(k);
         for (std::uint32_t q = 0; q < k; ++q) {
           for (const auto& [cs, value] : client_pieces[q]) {
-            st->in->marks[q].push_back({cs->flags->word(cs->ready_word), value});
+            st->in->marks[q].push_back({cs->flags->word(cs->ready_word), value, &cs->forced});
           }
         }
         pieces = k;
