@@ -98,13 +98,13 @@ struct GpuState {
     return reinterpret_cast<std::atomic<std::uint32_t>*>(flags) + w;
   }
   bool reached(std::uint32_t w, std::uint32_t ticket) const {
-    return static_cast<std::int32_t>(word(w)->load(std::memory_order_acquire) - ticket) >= 0;
+    return ipc::word_reached(word(w)->load(std::memory_order_acquire), ticket);
   }
   /// Moves a word forward to `ticket` from the CPU (never backwards).
   void release(std::uint32_t w, std::uint32_t ticket) const {
     auto* a = word(w);
     std::uint32_t cur = a->load(std::memory_order_relaxed);
-    while (static_cast<std::int32_t>(ticket - cur) > 0 &&
+    while (!ipc::word_reached(cur, ticket) &&
            !a->compare_exchange_weak(cur, ticket, std::memory_order_release)) {
     }
   }

@@ -508,8 +508,8 @@ class EngineChannel final : public NodeChannel {
       }
       if (!in_pieces->marks.empty() && now - since < kPollPieces) {
         // A stream's hand-off takes tens of microseconds: read the words
-        // again after the event loop's other handlers (it spins that long
-        // anyway, workers.event_loop_spin_us).
+        // again after the event loop's other handlers (as long as the event
+        // loop's default spin, workers.event_loop_spin_us, before sleeping).
         Executor::yield(comm_->exec);
       } else {
         // Until the completion thread sees the next piece in (InPieces::on_change).

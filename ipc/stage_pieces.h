@@ -30,6 +30,13 @@ constexpr std::uint32_t stage_piece_count(std::uint64_t total, std::uint64_t pie
              : static_cast<std::uint32_t>(std::max<std::uint64_t>(1, (total + piece - 1) / piece));
 }
 
+/// Whether a flag word holding `word` has reached `value`: the streams'
+/// cuStreamWaitValue32 GEQ, read wrap-aware (tickets wrap around 2^32, and
+/// a word is at most 2^31 ahead of what anyone waits for).
+constexpr bool word_reached(std::uint32_t word, std::uint32_t value) {
+  return static_cast<std::int32_t>(word - value) >= 0;
+}
+
 /// The value a flag word takes once the q-th of `pieces` pieces of an
 /// operation holding `ticket` is done: the last piece's is the ticket (the
 /// client takes `pieces` tickets of the word for it).

@@ -24,6 +24,14 @@ TEST_CASE("staged bytes are cut in about eighths of at least 512 KiB, in whole 6
   }
 }
 
+TEST_CASE("a flag word reaches a value at or past it, across the wrap of 2^32") {
+  CHECK(word_reached(5, 5));
+  CHECK(word_reached(6, 5));
+  CHECK_FALSE(word_reached(4, 5));
+  CHECK(word_reached(2, 0xFFFFFFFEu));        // wrapped past it
+  CHECK_FALSE(word_reached(0xFFFFFFFEu, 2));  // not yet wrapped to it
+}
+
 TEST_CASE("the piece count covers every byte, and an empty input is one piece") {
   CHECK(stage_piece_count(0, 512 * KiB) == 1);
   CHECK(stage_piece_count(1, 512 * KiB) == 1);

@@ -18,6 +18,7 @@
 #include "engine/registry.h"
 #include "ipc/error.h"
 #include "ipc/fd.h"
+#include "ipc/stage_pieces.h"
 
 namespace collectived::engine {
 class Logger;
@@ -199,8 +200,7 @@ struct InPieces {
       const std::uint32_t v = m.word->load(std::memory_order_acquire);
       // After the word: a forced value is read with its flag set.
       if (m.forced != nullptr && m.forced->load(std::memory_order_acquire)) return false;
-      // Wrap-aware, as the streams' waits compare (tickets wrap around).
-      return static_cast<std::int32_t>(v - m.value) >= 0;
+      return ipc::word_reached(v, m.value);
     };
     std::uint32_t k = reached.load(std::memory_order_acquire);
     const std::uint32_t was = k;

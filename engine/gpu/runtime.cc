@@ -331,7 +331,7 @@ class Sync final : public RankSync {
   void advance(std::uint32_t i, std::uint32_t value) const {
     auto* w = flags->word(i);
     std::uint32_t cur = w->load(std::memory_order_relaxed);
-    while (static_cast<std::int32_t>(value - cur) > 0 &&
+    while (!ipc::word_reached(cur, value) &&
            !w->compare_exchange_weak(cur, value, std::memory_order_release)) {
     }
   }
@@ -339,8 +339,7 @@ class Sync final : public RankSync {
   bool ready_reached() const { return event || ready_reached(ticket); }
   /// The ready word reached `value` (a piece's: piece_value).
   bool ready_reached(std::uint32_t value) const {
-    const std::uint32_t cur = flags->word(ready_word)->load(std::memory_order_acquire);
-    return static_cast<std::int32_t>(cur - value) >= 0;
+    return ipc::word_reached(flags->word(ready_word)->load(std::memory_order_acquire), value);
   }
   /// Staged by the client in `pieces` pieces of `piece_bytes`: its stream
   /// writes this value once piece q is in its host staging (the last piece's
