@@ -606,8 +606,8 @@ constexpr std::array kSchema{
         "transports in order of preference"},
 
     Key{"tcp.streams_per_peer",
-        [](N n, Profile& p, C c) { p.tcp.streams_per_peer = as_uint(n, c, 1, 64); },
-        [](E e, P p) { e << p.tcp.streams_per_peer; }, "TCP connections per peer"},
+        [](N n, Profile& p, C c) { p.tcp.streams_per_peer = as_uint(n, c, 0, 64); },
+        [](E e, P p) { e << p.tcp.streams_per_peer; }, "TCP connections per peer; 0 = auto"},
     Key{"tcp.chunk_bytes",
         [](N n, Profile& p, C c) { p.tcp.chunk_bytes = as_size(n, c, 4 * KiB, 64 * MiB); },
         [](E e, P p) { e << p.tcp.chunk_bytes; }, "pipelining unit"},

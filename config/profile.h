@@ -90,6 +90,7 @@ struct MemorySection {
 };
 
 struct TcpSection {
+  /// 0 = auto (tcp::effective_streams: 4 with copy threads, else 1).
   std::uint32_t streams_per_peer = 0;
   std::uint64_t chunk_bytes = 0;
   /// Threads per direction that copy chunks of 64 KiB and more to and from

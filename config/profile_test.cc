@@ -160,7 +160,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   CHECK(p.memory.max_unreceived_bytes == 4ull << 30);
   CHECK(p.transports ==
         std::vector<TransportKind>{TransportKind::local, TransportKind::tcp, TransportKind::verbs});
-  CHECK(p.tcp.streams_per_peer == 4);
+  CHECK(p.tcp.streams_per_peer == 0);  // auto
   CHECK(p.tcp.chunk_bytes == 1024 * 1024);
   CHECK(p.tcp.io_threads == 4);
   CHECK(p.tcp.congestion_control == "cubic");

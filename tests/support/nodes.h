@@ -99,7 +99,11 @@ struct Cluster {
   explicit Cluster(int n, const std::vector<std::string>& extra = {}) {
     for (int i = 0; i < n; ++i) {
       Node& node = add("node" + std::to_string(i), "127.0.0." + std::to_string(i + 2));
-      node.extra = {"deadlines.heartbeat_ms=1000"};
+      // Three streams per peer: the default (auto) gives one where the
+      // daemon has no copy threads (below 4 cores, as on CI), and the
+      // matrix is to cross the spreading of messages over several streams
+      // (and their reassembly) on every machine. Tests may set their own.
+      node.extra = {"deadlines.heartbeat_ms=1000", "tcp.streams_per_peer=3"};
       node.extra.insert(node.extra.end(), extra.begin(), extra.end());
     }
     start();

@@ -38,7 +38,7 @@ struct PeerOptions {
   /// announces the address it leaves from, with `port`.
   bool listen_any = false;
   std::string secret_file;     ///< peer.secret_file
-  std::uint32_t streams_per_peer = 4;
+  std::uint32_t streams_per_peer = 4;  ///< effective (effective_streams)
   std::uint64_t chunk_bytes = 1 << 20;
   /// tcp.io_threads: threads per direction that copy large chunks to and
   /// from the sockets (0: the event loop does it).

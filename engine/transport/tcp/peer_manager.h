@@ -183,6 +183,15 @@ class PeerManager final : private PeerLink::Owner {
 /// the real one; tests of the version check only).
 PeerOptions peer_options(const config::Profile& profile, const std::string& daemon_version);
 
+/// tcp.io_threads as it runs on a machine of `cores` cores: at most
+/// (cores - 2) / 2, none below 4 cores.
+std::uint32_t effective_io_threads(std::uint32_t configured, unsigned cores);
+/// tcp.streams_per_peer as it runs: the configured count, or for 0 (auto)
+/// kAutoStreams where copy threads run (`io_threads` > 0, effective) and one
+/// stream where the event loop copies every byte.
+std::uint32_t effective_streams(std::uint32_t configured, std::uint32_t io_threads);
+inline constexpr std::uint32_t kAutoStreams = 4;
+
 /// Fills StatusReply.peers.
 void fill_peer_status(const PeerManager& peers, wire::StatusReply::Builder status);
 

@@ -925,3 +925,29 @@ TEST_CASE("raw chunk bytes: reassembled out of order; a huge announcement costs 
   ::close(log_fd);
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("tcp.io_threads and tcp.streams_per_peer as they run: copy threads from 4 cores, "
+          "auto streams follow them") {
+  // Copy threads: at most (cores - 2) / 2, none below 4 cores.
+  CHECK(effective_io_threads(4, 2) == 0);
+  CHECK(effective_io_threads(4, 3) == 0);
+  CHECK(effective_io_threads(4, 4) == 1);
+  CHECK(effective_io_threads(4, 16) == 4);
+  CHECK(effective_io_threads(0, 64) == 0);
+  // An explicit stream count holds, with or without copy threads.
+  CHECK(effective_streams(2, 0) == 2);
+  CHECK(effective_streams(8, 4) == 8);
+  CHECK(effective_streams(1, 4) == 1);
+  // 0 = auto: several streams where copy threads move them, one where the
+  // event loop copies every byte.
+  CHECK(effective_streams(0, 0) == 1);
+  CHECK(effective_streams(0, 1) == kAutoStreams);
+  CHECK(effective_streams(0, 4) == kAutoStreams);
+  // The profile's default is auto, resolved by the machine's cores.
+  config::Profile p;
+  p.tcp.io_threads = 4;
+  p.tcp.streams_per_peer = 0;
+  const PeerOptions o = peer_options(p, "test");
+  CHECK(o.io_threads == effective_io_threads(4, std::thread::hardware_concurrency()));
+  CHECK(o.streams_per_peer == (o.io_threads > 0 ? kAutoStreams : 1u));
+}
