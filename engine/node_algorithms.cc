@@ -139,8 +139,12 @@ constexpr std::size_t kRingAllGatherChunks = 8;
 /// 1.09x. Pairwise keeps every link of a node busy at once, which small
 /// transfers need; on one host's loopback, for large ones, the N-1 streams
 /// per node at once cost more than they give (a real network adds the
-/// incast of N-1 senders on each receiver).
-constexpr std::uint64_t kRingAllGatherMinBytes = std::uint64_t{8} << 20;
+/// incast of N-1 senders on each receiver). That was with 4 TCP streams per
+/// peer. With one (tcp.streams_per_peer auto, no copy threads), the ring
+/// went ahead sooner: 8 MiB in all 1.10x in two runs (8 and 12 rounds), 16
+/// MiB 1.04-1.05x, 2-4 MiB 0.88-1.11x (noise); hence from 2 MiB per node,
+/// where 4 streams had left the two even.
+constexpr std::uint64_t kRingAllGatherMinBytes = std::uint64_t{2} << 20;
 
 class Algorithms {
  public:

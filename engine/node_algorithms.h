@@ -12,7 +12,7 @@
 //   - ring reduce-scatter + ring all-gather (more nodes; the same bytes in
 //     N-1 steps, each to one neighbour), pipelined in chunks so that the
 //     reduction of one chunk overlaps the transfer of the next; an
-//     all-gather over 3 or more nodes takes the ring from 8 MiB of output
+//     all-gather over 3 or more nodes takes the ring from 2 MiB of output
 //     per node, in chunks 8x tcp.chunk_bytes (node_algorithms.cc says why);
 //   - direct exchange (latency: one round, every node sends its whole
 //     contribution to every other node and reduces them in node order);

@@ -639,11 +639,12 @@ TEST_CASE("the algorithm choice follows the size and the profile's override") {
   CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 5, o) == "ring");
   CHECK(node_algorithm(OpKind::reduce_scatter, 8, 4, o) == "pairwise");
   CHECK(node_algorithm(OpKind::all_gather, 1 << 20, 3, o) == "pairwise");
-  // All-gather (bytes of the whole output): the ring from 8 MiB per node
+  // All-gather (bytes of the whole output): the ring from 2 MiB per node
   // on 3 nodes or more; on 2 the pairwise exchange is the same transfers.
-  CHECK(node_algorithm(OpKind::all_gather, 24 << 20, 3, o) == "ring");
-  CHECK(node_algorithm(OpKind::all_gather, (24 << 20) - 3, 3, o) == "pairwise");
-  CHECK(node_algorithm(OpKind::all_gather, 16 << 20, 4, o) == "pairwise");
+  CHECK(node_algorithm(OpKind::all_gather, 6 << 20, 3, o) == "ring");
+  CHECK(node_algorithm(OpKind::all_gather, (6 << 20) - 3, 3, o) == "pairwise");
+  CHECK(node_algorithm(OpKind::all_gather, 8 << 20, 4, o) == "ring");
+  CHECK(node_algorithm(OpKind::all_gather, (8 << 20) - 4, 4, o) == "pairwise");
   CHECK(node_algorithm(OpKind::all_gather, 64 << 20, 2, o) == "pairwise");
   CHECK(node_algorithm(OpKind::all_gather, 64 << 20, 4, o) == "ring");
   CHECK(node_algorithm(OpKind::broadcast, 1 << 20, 4, o) == "chain");
