@@ -496,10 +496,6 @@ class EngineChannel final : public NodeChannel {
       // what else it found done.
       in_pieces->poll();
       if (in_pieces->reached.load(std::memory_order_acquire) >= need) return;
-      {
-        std::lock_guard lock(I_.mu);
-        check_ended_locked(rank);
-      }
       const auto now = Clock::now();
       if (now >= deadline_) {
         throw Error(Code::timeout, "timed out after " + std::to_string(budget_.count()) +
@@ -510,11 +506,18 @@ class EngineChannel final : public NodeChannel {
         // A stream's hand-off takes tens of microseconds: read the words
         // again after the event loop's other handlers (as long as the event
         // loop's default spin, workers.event_loop_spin_us, before sleeping).
+        // The engine's mutex is left alone while polling: a failure (of a
+        // rank, a peer, the input's copy) is found at the latest when the
+        // poll ends, at most kPollPieces later.
         Executor::yield(comm_->exec);
-      } else {
-        // Until the completion thread sees the next piece in (InPieces::on_change).
-        Executor::wait(*comm_->exec);
+        continue;
       }
+      {
+        std::lock_guard lock(I_.mu);
+        check_ended_locked(rank);
+      }
+      // Until the completion thread sees the next piece in (InPieces::on_change).
+      Executor::wait(*comm_->exec);
     }
   }
   /// How long wait_pieces reads the clients' ready words itself before it
