@@ -61,6 +61,7 @@ engine::NodeAlgorithmOptions node_algorithms(const config::Profile& p) {
   o.algorithm = p.collectives.algorithm;
   o.direct_max_bytes = p.collectives.direct_max_bytes;
   o.pairwise_max_nodes = static_cast<int>(p.collectives.pairwise_max_nodes);
+  o.input_poll = p.workers.event_loop_spin;
   // A transfer chunk and its engine header must travel as one TCP chunk: a
   // message one header over tcp.chunk_bytes would go as two and be
   // reassembled (a zero-fill and a copy more) on the other side. From

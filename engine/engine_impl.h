@@ -98,6 +98,11 @@ struct Slot {
   /// the host collective began on the node thread (the debug log's
   /// gpu_staged event).
   Clock::time_point stage_queued, staged_in, across_started;
+  /// Across nodes: the algorithm options when its description was set (the
+  /// first local rank's submission), and the plan they give it, which every
+  /// other node's messages for it must carry too (check_remote_desc).
+  std::shared_ptr<const NodeAlgorithmOptions> algorithms;
+  NodePlan plan;
 };
 
 struct P2PItem {
@@ -159,6 +164,7 @@ struct NodeIn {
   int desc_rank = 0;
   std::uint64_t count = 0;  // p2p
   DType dtype = DType::uint8;
+  NodePlan plan;              // collectives: the sender's (not known: none sent)
   Clock::time_point arrived;  // status: how long other nodes have waited on this node
 };
 
@@ -363,7 +369,12 @@ struct Engine::Impl {
   gpu::GpuExecutor* gpu = nullptr;  // collectives on GPU buffers (engine/gpu/)
   // Communicators that span nodes.
   std::atomic<NodeTransport*> transport{nullptr};
-  NodeAlgorithmOptions algorithms;
+  /// The profile's, replaced whole on reload (Engine::set_node_algorithms):
+  /// each operation across nodes keeps the one it was submitted under
+  /// (Slot::algorithms), so that a reload while it runs cannot change its
+  /// algorithm halfway or race its reads.
+  std::shared_ptr<const NodeAlgorithmOptions> algorithms =
+      std::make_shared<const NodeAlgorithmOptions>();
   std::map<std::string, InboxRef> inboxes;  // uid -> inbox and the communicator using it
   std::multimap<std::string, PendingJoin> pending_joins;  // key (id@rendezvous) -> ranks
   std::shared_ptr<NodeRunner> runner = std::make_shared<NodeRunner>();
@@ -903,6 +914,10 @@ struct Engine::Impl {
       int local = 0;
       for (const auto& m : cp->members) local += m.remote ? 0 : 1;
       const std::uint64_t one = op.count * dtype_size(op.dtype);
+      // The options the operation runs under (run_across_nodes), not the
+      // profile's now: both must read its input the same way.
+      const NodeAlgorithmOptions& algorithms =
+          slot.algorithms ? *slot.algorithms : *this->algorithms;
       if (reads_input_in_pieces(op.kind, one, cp->nranks, local,
                                 static_cast<int>(cp->node_address.size()), algorithms)) {
         const std::uint64_t in = one * (op.kind == OpKind::reduce_scatter ? cp->nranks : 1);
@@ -1441,8 +1456,13 @@ struct Engine::Impl {
         slot.desc = desc;
         slot.has_desc = true;
         slot.desc_rank = rank;
-        // Other nodes may have sent their view of this operation already.
-        if (comm.spans_nodes() && !check_remote_desc(comm, seq, out)) return;
+        if (comm.spans_nodes()) {
+          slot.algorithms = algorithms;
+          slot.plan = node_plan(desc.kind, desc.count, desc.dtype, comm.nranks,
+                                static_cast<int>(comm.node_address.size()), *slot.algorithms);
+          // Other nodes may have sent their view of this operation already.
+          if (!check_remote_desc(comm, seq, out)) return;
+        }
       } else if (!(slot.desc == desc) || slot.desc.gpu != desc.gpu) {
         // Named both ways, so that whoever reads either rank's error sees the pair.
         fail_slot(comm, slot, Code::mismatch,

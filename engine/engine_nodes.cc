@@ -113,6 +113,16 @@ Desc desc_of(nodewire::OpData::Reader d) {
   return desc;
 }
 
+/// A node's plan for an operation against another node's (NodePlan).
+std::string plan_mismatch(const Comm& comm, std::uint64_t seq, const Desc& desc,
+                          const NodePlan& mine, int node, const NodePlan& theirs) {
+  return "mismatched plans for sequence number " + std::to_string(seq) + ", " + desc.str() +
+         ": node " + comm.node_text(comm.my_node) + " runs it as " + mine.str() + ", node " +
+         comm.node_text(node) + " as " + theirs.str() +
+         "; the daemons' profiles disagree (collectives.algorithm, collectives.direct_max_bytes, "
+         "collectives.pairwise_max_nodes and tcp.chunk_bytes must be the same on every node)";
+}
+
 std::string ranks_text(const Comm& comm, int node) {
   std::vector<int> ranks;
   for (int r = 0; r < comm.nranks; ++r) {
@@ -125,11 +135,14 @@ std::string ranks_text(const Comm& comm, int node) {
 class EngineChannel final : public NodeChannel {
  public:
   EngineChannel(Engine::Impl& impl, std::shared_ptr<Comm> comm, std::uint64_t seq, Desc desc,
-                int desc_rank, Clock::time_point deadline, std::chrono::milliseconds budget)
+                NodePlan plan, std::chrono::microseconds input_poll, int desc_rank,
+                Clock::time_point deadline, std::chrono::milliseconds budget)
       : I_(impl),
         comm_(std::move(comm)),
         seq_(seq),
         desc_(desc),
+        plan_(plan),
+        input_poll_(input_poll),
         desc_rank_(desc_rank),
         deadline_(deadline),
         budget_(budget) {
@@ -183,6 +196,8 @@ class EngineChannel final : public NodeChannel {
     d.setCount(desc_.count);
     d.setRoot(desc_.root);
     d.setDescRank(static_cast<std::uint32_t>(desc_rank_));
+    d.setPlanAlgorithm(plan_.algorithm);
+    d.setPlanChunk(plan_.chunk);
     auto keep = std::make_shared<Keep>(Keep{keep_, scratch_, std::move(owner)});
     {
       std::lock_guard l(sends_->mu);
@@ -323,6 +338,10 @@ class EngineChannel final : public NodeChannel {
                                           comm_->who(desc_rank_) + " submitted " + desc_.str() +
                                           " but " + comm_->who(it->second.desc_rank) +
                                           " submitted " + it->second.desc.str());
+        }
+        if (it->second.plan.known() && plan_.known() && !(it->second.plan == plan_)) {
+          throw Error(Code::mismatch,
+                      plan_mismatch(*comm_, seq_, desc_, plan_, from, it->second.plan));
         }
         NodePayload p = std::move(it->second.payload);
         in.bytes -= p.storage.size();
@@ -502,13 +521,13 @@ class EngineChannel final : public NodeChannel {
                                        " ms (deadlines.operation_ms) waiting for " +
                                        input_of(rank) + " to reach host memory");
       }
-      if (!in_pieces->marks.empty() && now - since < kPollPieces) {
+      if (!in_pieces->marks.empty() && now - since < input_poll_) {
         // A stream's hand-off takes tens of microseconds: read the words
         // again after the event loop's other handlers (as long as the event
-        // loop's default spin, workers.event_loop_spin_us, before sleeping).
+        // loop polls, workers.event_loop_spin_us, before sleeping).
         // The engine's mutex is left alone while polling: a failure (of a
         // rank, a peer, the input's copy) is found at the latest when the
-        // poll ends, at most kPollPieces later.
+        // poll ends, at most input_poll_ later.
         Executor::yield(comm_->exec);
         continue;
       }
@@ -520,15 +539,14 @@ class EngineChannel final : public NodeChannel {
       Executor::wait(*comm_->exec);
     }
   }
-  /// How long wait_pieces reads the clients' ready words itself before it
-  /// leaves that to the completion thread.
-  static constexpr std::chrono::microseconds kPollPieces{100};
 
  private:
   Engine::Impl& I_;
   std::shared_ptr<Comm> comm_;
   std::uint64_t seq_;
   Desc desc_;
+  NodePlan plan_;
+  std::chrono::microseconds input_poll_;  // NodeAlgorithmOptions::input_poll
   int desc_rank_;
   Clock::time_point deadline_;
   std::chrono::milliseconds budget_;
@@ -1033,10 +1051,16 @@ bool Engine::Impl::check_remote_desc(Comm& comm, std::uint64_t seq, std::vector<
   for (auto it = comm.inbox->msgs.lower_bound({seq, 0, 0});
        it != comm.inbox->msgs.end() && std::get<0>(it->first) == seq; ++it) {
     const NodeIn& in = it->second;
-    if (in.desc == slot.desc) continue;
-    const std::string why = "mismatched operations for sequence number " + std::to_string(seq) +
-                            ": " + comm.who(slot.desc_rank) + " submitted " + slot.desc.str() +
-                            " but " + comm.who(in.desc_rank) + " submitted " + in.desc.str();
+    std::string why;
+    if (!(in.desc == slot.desc)) {
+      why = "mismatched operations for sequence number " + std::to_string(seq) + ": " +
+            comm.who(slot.desc_rank) + " submitted " + slot.desc.str() + " but " +
+            comm.who(in.desc_rank) + " submitted " + in.desc.str();
+    } else if (in.plan.known() && slot.plan.known() && !(in.plan == slot.plan)) {
+      why = plan_mismatch(comm, seq, slot.desc, slot.plan, std::get<2>(it->first), in.plan);
+    } else {
+      continue;
+    }
     send_slot_failed(comm, seq, Code::mismatch, why);
     comm.inbox->failed[seq] = error(Code::mismatch, why, seq);
     notify(*comm.inbox);
@@ -1066,6 +1090,8 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
   std::vector<Span> keep;  // holds the mappings while the operation runs
   std::vector<std::int32_t> mine;  // split: (rank, color, key) of local ranks
   std::shared_ptr<gpu::GpuStage> stage;  // a staged GPU operation's host staging
+  std::shared_ptr<const NodeAlgorithmOptions> algorithms;  // as submitted (Slot::algorithms)
+  NodePlan plan;
   // Staged: the local ranks' output and input staging.
   std::vector<EngineChannel::Staging> outs, ins;
   {
@@ -1076,6 +1102,8 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
     desc = slot.desc;
     desc_rank = slot.desc_rank;
     deadline = slot.deadline;
+    algorithms = slot.algorithms ? slot.algorithms : this->algorithms;
+    plan = slot.plan;
     slot.across_started = Clock::now();
     op.kind = desc.kind;
     op.dtype = desc.dtype;
@@ -1097,7 +1125,8 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
     }
     stage = slot.gpu_stage;
   }
-  EngineChannel ch(*this, cp, seq, desc, desc_rank, deadline, options.operation_deadline);
+  EngineChannel ch(*this, cp, seq, desc, plan, algorithms->input_poll, desc_rank, deadline,
+                   options.operation_deadline);
   // Sends read the ranks' buffers in place; should the operation fail before
   // they are done, their mappings stay until then.
   ch.keep_alive(std::make_shared<const std::vector<Span>>(keep));
@@ -1144,16 +1173,16 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
         // all-gather chooses by what each node ends up with.
         const std::uint64_t bytes = op.count * dtype_size(op.dtype) *
                                     (op.kind == OpKind::all_gather ? op.nranks : 1);
-        log.debug("node_operation",
-                  {{"comm", comm.name},
-                   {"seq", seq},
-                   {"op", to_string(op.kind)},
-                   {"bytes", bytes},
-                   {"nodes", comm.node_address.size()},
-                   {"parallel_passes", ch.parallelism()},
-                   {"algorithm", node_algorithm(op.kind, bytes, static_cast<int>(comm.node_address.size()), algorithms)}});
+        log.debug("node_operation", {{"comm", comm.name},
+                                     {"seq", seq},
+                                     {"op", to_string(op.kind)},
+                                     {"bytes", bytes},
+                                     {"nodes", comm.node_address.size()},
+                                     {"parallel_passes", ch.parallelism()},
+                                     {"algorithm", plan.name()},
+                                     {"chunk_bytes", plan.chunk}});
       }
-      run_node_collective(ch, op, algorithms, 0);
+      run_node_collective(ch, op, *algorithms, 0);
       ch.await_inputs();
     }
   } catch (const Error& e) {
@@ -1529,6 +1558,8 @@ void Engine::Impl::handle_node_message(const std::string& peer, MessageBytes byt
       NodeIn item;
       item.desc = desc_of(dm);
       item.desc_rank = static_cast<int>(dm.getDescRank());
+      item.plan.algorithm = dm.getPlanAlgorithm();
+      item.plan.chunk = dm.getPlanChunk();
       item.count = dm.getCount();
       item.dtype = static_cast<DType>(dm.getDtype());
       const bool p2p = dm.getP2p();
@@ -1733,8 +1764,9 @@ void Engine::set_node_runner(std::function<void(std::function<void()>)> post) {
 }
 
 void Engine::set_node_algorithms(const NodeAlgorithmOptions& options) {
+  auto next = std::make_shared<const NodeAlgorithmOptions>(options);
   std::lock_guard lock(impl_->mu);
-  impl_->algorithms = options;
+  impl_->algorithms = std::move(next);
 }
 
 void Engine::node_message(const std::string& peer, MessageBytes message) {

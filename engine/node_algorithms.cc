@@ -831,6 +831,36 @@ std::string node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
   }
 }
 
+namespace {
+// NodePlan::algorithm - 1: every name node_algorithm returns.
+constexpr const char* kPlanNames[] = {"none", "direct", "pairwise", "ring", "chain", "exchange"};
+}  // namespace
+
+std::string NodePlan::name() const {
+  return known() && algorithm <= std::size(kPlanNames) ? kPlanNames[algorithm - 1] : "unknown";
+}
+
+std::string NodePlan::str() const {
+  if (!known() || algorithm > std::size(kPlanNames)) return "an unknown algorithm";
+  std::string s = name();
+  if (chunk != 0) s += " in chunks of " + std::to_string(chunk) + " bytes";
+  return s;
+}
+
+NodePlan node_plan(OpKind kind, std::uint64_t count, DType dtype, int nranks, int nodes,
+                   const NodeAlgorithmOptions& options) {
+  // all-gather chooses by what each node ends up with (node_algorithm).
+  const std::uint64_t bytes = count * dtype_size(dtype) *
+                              (kind == OpKind::all_gather ? static_cast<std::uint64_t>(nranks) : 1);
+  const std::string name = node_algorithm(kind, bytes, nodes, options);
+  NodePlan plan;
+  for (std::size_t i = 0; i < std::size(kPlanNames); ++i) {
+    if (name == kPlanNames[i]) plan.algorithm = static_cast<std::uint8_t>(i + 1);
+  }
+  if (name == "pairwise" || name == "ring" || name == "chain") plan.chunk = options.chunk_bytes;
+  return plan;
+}
+
 std::vector<std::vector<std::byte>> node_exchange(NodeChannel& channel,
                                                   std::span<const std::byte> mine,
                                                   std::uint64_t tag) {

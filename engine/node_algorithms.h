@@ -29,6 +29,7 @@
 // the tests implement in memory.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -166,6 +167,11 @@ struct NodeAlgorithmOptions {
   /// "auto" (by size and nodes), "ring", "pairwise" or "direct": the
   /// profile's override.
   std::string algorithm = "auto";
+  /// How long an operation waiting for its local ranks' input pieces reads
+  /// their ready words itself before it sleeps until the completion thread
+  /// wakes it: as long as the event loop polls before sleeping
+  /// (workers.event_loop_spin_us).
+  std::chrono::microseconds input_poll{100};
 };
 
 /// The chunk in which a transfer of `total` bytes (a segment, or a chain's
@@ -194,6 +200,34 @@ std::string node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
 /// `bytes`: count x element size of one rank.
 bool reads_input_in_pieces(OpKind kind, std::uint64_t bytes, int nranks, int local_ranks, int nodes,
                            const NodeAlgorithmOptions& options);
+
+/// What shapes an operation's messages between nodes: its algorithm
+/// (node_algorithm) and, where it cuts transfers in chunks, the profile's
+/// chunk. Nodes whose plans differ send messages the others never look for
+/// (other tags, other sizes): every data message carries its sender's plan,
+/// and a receiver whose own differs fails the operation at once
+/// (Code::mismatch, naming both) instead of waiting out its deadline. It
+/// happens where the daemons' profiles disagree on collectives.* or
+/// tcp.chunk_bytes (one edited and reloaded, not the others).
+struct NodePlan {
+  /// Index into the names of node_algorithm, from 1; 0: not known (a
+  /// message without a plan: point-to-point, or a daemon before plans).
+  std::uint8_t algorithm = 0;
+  /// The chunk of the algorithms that cut transfers (pairwise, ring,
+  /// chain); 0 for the others.
+  std::uint64_t chunk = 0;
+  bool known() const { return algorithm != 0; }
+  bool operator==(const NodePlan& o) const { return algorithm == o.algorithm && chunk == o.chunk; }
+  /// The algorithm's name as node_algorithm gives it ("unknown": none).
+  std::string name() const;
+  /// "ring in chunks of 1048576 bytes", "direct".
+  std::string str() const;
+};
+
+/// The plan of an operation of `count` elements per rank of `dtype`, over
+/// `nranks` ranks on `nodes` nodes.
+NodePlan node_plan(OpKind kind, std::uint64_t count, DType dtype, int nranks, int nodes,
+                   const NodeAlgorithmOptions& options);
 
 /// Whether a reduce-scatter over `nodes` nodes with one rank on this node
 /// can leave that rank's own contribution out (NodeCollective::

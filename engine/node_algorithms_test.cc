@@ -659,6 +659,39 @@ TEST_CASE("the algorithm choice follows the size and the profile's override") {
   CHECK(node_algorithm(OpKind::all_gather, 64 << 20, 4, o) == "pairwise");
 }
 
+TEST_CASE("an operation's plan: its algorithm, and the chunk where it cuts transfers") {
+  NodeAlgorithmOptions o;
+  o.chunk_bytes = 1 << 20;
+  // all-gather: counted per rank here, chosen by the whole output (4 MiB per
+  // node of 4: the ring).
+  const NodePlan ring = node_plan(OpKind::all_gather, 1 << 20, DType::float32, 4, 4, o);
+  CHECK(ring.str() == "ring in chunks of 1048576 bytes");
+  CHECK(ring.name() == "ring");
+  CHECK(node_plan(OpKind::all_gather, (1 << 19) - 1, DType::float32, 4, 4, o).str() ==
+        "pairwise in chunks of 1048576 bytes");
+  const NodePlan direct = node_plan(OpKind::all_reduce, 2, DType::float64, 4, 4, o);
+  CHECK(direct.str() == "direct");  // one message each: no chunk
+  CHECK(direct.chunk == 0);
+  CHECK(node_plan(OpKind::broadcast, 1 << 20, DType::uint8, 4, 4, o).str() ==
+        "chain in chunks of 1048576 bytes");
+  CHECK(node_plan(OpKind::barrier, 0, DType::uint8, 4, 4, o).str() == "exchange");
+  CHECK(node_plan(OpKind::all_reduce, 1 << 20, DType::uint8, 4, 1, o).str() == "none");
+  CHECK(NodePlan{}.str() == "an unknown algorithm");
+  CHECK(NodePlan{}.name() == "unknown");
+  CHECK(!NodePlan{}.known());
+  // The same options give the same plan; an override or another chunk does not.
+  CHECK(node_plan(OpKind::all_gather, 1 << 20, DType::float32, 4, 4, o) == ring);
+  NodeAlgorithmOptions other = o;
+  other.chunk_bytes = 512 << 10;
+  CHECK(!(node_plan(OpKind::all_gather, 1 << 20, DType::float32, 4, 4, other) == ring));
+  other = o;
+  other.algorithm = "pairwise";
+  CHECK(!(node_plan(OpKind::all_gather, 1 << 20, DType::float32, 4, 4, other) == ring));
+  other = o;
+  other.chunk_bytes = 512 << 10;  // the direct exchange does not chunk: the chunk is not compared
+  CHECK(node_plan(OpKind::all_reduce, 2, DType::float64, 4, 4, other) == direct);
+}
+
 TEST_CASE("an error from the channel reaches the caller") {
   Fabric fabric(2);
   MemChannel ch(fabric, 0, 2);

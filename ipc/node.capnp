@@ -60,8 +60,8 @@ struct JoinCancel {
 }
 
 # Data of one operation. Collectives: `seq`, `tag` and the sender's view of
-# the operation (checked against the receiver's: a mismatch is named on
-# both). Point-to-point (`p2p`): fromRank sends to toRank its index-th
+# the operation and its plan (checked against the receiver's: a mismatch is
+# named on both). Point-to-point (`p2p`): fromRank sends to toRank its index-th
 # message.
 struct OpData {
   uid @0 :Text;
@@ -78,6 +78,10 @@ struct OpData {
   fromRank @11 :UInt32;
   toRank @12 :UInt32;
   index @13 :UInt64;
+  # Collectives: the sender's plan (engine NodePlan: its algorithm, 1-based,
+  # and its chunk), checked against the receiver's; 0: none (p2p).
+  planAlgorithm @14 :UInt8;
+  planChunk @15 :UInt64;
 }
 
 # The sender broke the communicator (a rank died, left or aborted; the

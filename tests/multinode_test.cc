@@ -390,6 +390,40 @@ TEST_CASE("a mismatch across nodes is named on both nodes; the communicator goes
   });
 }
 
+TEST_CASE(
+    "daemons whose profiles choose different algorithms fail the operation at once, naming "
+    "both plans; the communicator goes on") {
+  // One node told collectives.algorithm=ring, the others left on auto
+  // (pairwise on 3 nodes): their messages would never meet, and the
+  // operation would wait out its deadline naming nobody's mistake.
+  Cluster cl;
+  for (int i = 0; i < 3; ++i) {
+    Node& n = cl.add("node" + std::to_string(i), "127.0.0." + std::to_string(i + 2));
+    n.extra = {"deadlines.heartbeat_ms=1000", "deadlines.operation_ms=30000"};
+    if (i == 0) n.extra.push_back("collectives.algorithm=ring");
+  }
+  cl.start();
+  run_layout(cl, {0, 1, 2}, 1 << 20, [](RankCtx& c) {
+    const auto t0 = Clock::now();
+    const collective_result_t rc = all_reduce_wait(c.comm, c.send, c.recv, 1 << 16);
+    const char* msg = collective_last_error();
+    if (rc != COLLECTIVE_MISMATCH || !contains(msg, "ring") || !contains(msg, "pairwise") ||
+        !contains(msg, "node0") || !contains(msg, "collectives.algorithm")) {
+      c.report(std::string("expected a mismatch naming both algorithms and node0, got ") +
+               std::to_string(rc) + ": " + msg);
+    }
+    if (Clock::now() - t0 > 10s) c.report("the mismatch took as long as a timeout");
+    // The override holds at every size (the others take the direct exchange
+    // here): the next operation is answered the same way, not left hanging.
+    const auto t1 = Clock::now();
+    if (all_reduce_wait(c.comm, c.send, c.recv, 7) != COLLECTIVE_MISMATCH) {
+      c.report(std::string("expected a second mismatch, got: ") + collective_last_error());
+    }
+    if (Clock::now() - t1 > 10s) c.report("the second mismatch took as long as a timeout");
+    return 0;
+  });
+}
+
 TEST_CASE("a rank killed on one node fails the others' operations naming it") {
   Cluster cl(2);
   run_layout(cl, {0, 1}, 1 << 16, [](RankCtx& c) {
