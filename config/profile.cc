@@ -438,7 +438,8 @@ constexpr std::array<EnumName<TransportKind>, 3> kTransports{{
     {"verbs", TransportKind::verbs},
 }};
 
-constexpr std::array<EnumName<int>, 4> kAlgorithms{{{"auto", 0}, {"ring", 1}, {"direct", 2}, {"pairwise", 3}}};
+constexpr std::array<EnumName<int>, 5> kAlgorithms{
+    {{"auto", 0}, {"ring", 1}, {"direct", 2}, {"pairwise", 3}, {"tree", 4}}};
 
 constexpr std::array<EnumName<LogLevel>, 5> kLogLevels{{
     {"trace", LogLevel::trace},

@@ -367,14 +367,18 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
     }
     // One rank, pairwise all-gather: the copy of its own input into its
     // output (told final right after) runs once its sends are on their way.
-    if (c.kind == OpKind::all_gather && one * nranks > o.direct_max_bytes && nodes <= o.pairwise_max_nodes) {
+    if (c.kind == OpKind::all_gather &&
+        node_algorithm(c.kind, one * nranks, nodes, o) == "pairwise") {
       for (const auto& t : told[j]) {
         if (t.p == b.recv + b.rank * one) CHECK_MESSAGE(t.held == 0, "its own copy ran while its sends waited");
       }
     }
     const int root_node = node_of_rank[c.root];
-    const bool ring_scatter = c.kind == OpKind::reduce_scatter && o.pairwise_max_nodes < nodes;
-    const bool direct_reduce = c.kind == OpKind::all_reduce && one <= o.direct_max_bytes;
+    const std::string algorithm = node_algorithm(c.kind, one, nodes, o);
+    const bool ring_scatter = c.kind == OpKind::reduce_scatter && algorithm == "ring";
+    // Told as a whole or not at all: not told.
+    const bool direct_reduce = c.kind == OpKind::all_reduce &&
+                               (algorithm == "direct" || algorithm == "recursive_doubling");
     const bool sends_only = (c.kind == OpKind::broadcast && root_node == j) ||
                             (c.kind == OpKind::reduce && root_node != j);
     if (c.kind == OpKind::all_to_all || c.kind == OpKind::barrier || ring_scatter ||
@@ -417,37 +421,54 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
 }  // namespace
 
 TEST_CASE("node algorithms match the reference for every layout, size and operation") {
-  const std::vector<std::vector<int>> layouts = {
-      {0, 1}, {0, 1, 2}, {2, 0, 1}, {0, 1, 0, 1}, {0, 0, 1, 2, 2, 2}, {2, 0, 1, 0}, {1, 0, 1, 2, 3, 3}};
-  for (const int pairwise_max : {1, 4}) {  // larger: ring (more nodes), pairwise
-  NodeAlgorithmOptions o;
-  o.chunk_bytes = 256;       // many chunks per segment
-  o.direct_max_bytes = 512;  // the direct path and a larger one
-  o.pairwise_max_nodes = pairwise_max;
-  CAPTURE(pairwise_max);
-  const OpKind kinds[] = {OpKind::all_reduce, OpKind::all_gather, OpKind::reduce_scatter,
-                          OpKind::broadcast,  OpKind::reduce,     OpKind::all_to_all,
-                          OpKind::barrier};
-  for (const auto& layout : layouts) {
-    const int nranks = static_cast<int>(layout.size());
-    for (OpKind k : kinds) {
-      for (std::uint64_t count : {0ull, 1ull, 7ull, 100ull, 1001ull}) {
-        for (bool in_place : {false, true}) {
-          for (RedOp op : {RedOp::sum, RedOp::prod, RedOp::min, RedOp::max, RedOp::avg}) {
-            const bool reducing =
-                k == OpKind::all_reduce || k == OpKind::reduce || k == OpKind::reduce_scatter;
-            if (!reducing && op != RedOp::sum) continue;
-            const int root = static_cast<int>((count + (in_place ? 1 : 0)) % nranks);
-            CAPTURE(nranks);
-            CAPTURE(count);
-            CAPTURE(in_place);
-            CAPTURE(root);
-            run(layout, Case{k, op, count, in_place, root}, o);
+  // Up to 8 nodes: the recursive doubling's hand-over (5, 6, 7 nodes) and
+  // deeper trees.
+  const std::vector<std::vector<int>> layouts = {{0, 1},
+                                                 {0, 1, 2},
+                                                 {2, 0, 1},
+                                                 {0, 1, 0, 1},
+                                                 {0, 0, 1, 2, 2, 2},
+                                                 {2, 0, 1, 0},
+                                                 {1, 0, 1, 2, 3, 3},
+                                                 {0, 1, 2, 3, 4},
+                                                 {4, 3, 2, 1, 0, 5},
+                                                 {0, 1, 2, 3, 4, 5, 6, 0},
+                                                 {0, 1, 2, 3, 4, 5, 6, 7}};
+  // pairwise_max_nodes 1: small operations take the trees (larger: ring);
+  // 4: recursive doubling, direct, pairwise up to 4 nodes, trees and ring
+  // above; "tree" and "direct" at every size.
+  for (const auto& [algorithm, pairwise_max] : std::vector<std::pair<std::string, int>>{
+           {"auto", 1}, {"auto", 4}, {"tree", 4}, {"direct", 4}}) {
+    NodeAlgorithmOptions o;
+    o.chunk_bytes = 256;       // many chunks per segment
+    o.direct_max_bytes = 512;  // the direct path and a larger one
+    o.pairwise_max_nodes = pairwise_max;
+    o.algorithm = algorithm;
+    CAPTURE(algorithm);
+    CAPTURE(pairwise_max);
+    const OpKind kinds[] = {OpKind::all_reduce, OpKind::all_gather, OpKind::reduce_scatter,
+                            OpKind::broadcast,  OpKind::reduce,     OpKind::all_to_all,
+                            OpKind::barrier};
+    for (const auto& layout : layouts) {
+      const int nranks = static_cast<int>(layout.size());
+      for (OpKind k : kinds) {
+        for (std::uint64_t count : {0ull, 1ull, 7ull, 100ull, 1001ull}) {
+          for (bool in_place : {false, true}) {
+            for (RedOp op : {RedOp::sum, RedOp::prod, RedOp::min, RedOp::max, RedOp::avg}) {
+              const bool reducing =
+                  k == OpKind::all_reduce || k == OpKind::reduce || k == OpKind::reduce_scatter;
+              if (!reducing && op != RedOp::sum) continue;
+              const int root = static_cast<int>((count + (in_place ? 1 : 0)) % nranks);
+              CAPTURE(nranks);
+              CAPTURE(count);
+              CAPTURE(in_place);
+              CAPTURE(root);
+              run(layout, Case{k, op, count, in_place, root}, o);
+            }
           }
         }
       }
     }
-  }
   }
 }
 
@@ -634,7 +655,9 @@ TEST_CASE("one rank per node, pairwise all-gather: the own copy runs on the pool
 
 TEST_CASE("the algorithm choice follows the size and the profile's override") {
   NodeAlgorithmOptions o;
-  CHECK(node_algorithm(OpKind::all_reduce, 8, 4, o) == "direct");
+  CHECK(node_algorithm(OpKind::all_reduce, 8, 4, o) == "recursive_doubling");
+  CHECK(node_algorithm(OpKind::all_reduce, 8, 2, o) == "recursive_doubling");
+  CHECK(node_algorithm(OpKind::all_gather, 8, 4, o) == "direct");
   CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 4, o) == "pairwise");
   CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 5, o) == "ring");
   CHECK(node_algorithm(OpKind::reduce_scatter, 8, 4, o) == "pairwise");
@@ -649,6 +672,22 @@ TEST_CASE("the algorithm choice follows the size and the profile's override") {
   CHECK(node_algorithm(OpKind::all_gather, 64 << 20, 4, o) == "ring");
   CHECK(node_algorithm(OpKind::broadcast, 1 << 20, 4, o) == "chain");
   CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 1, o) == "none");
+  // Small operations on more nodes than pairwise_max_nodes: the trees.
+  CHECK(node_algorithm(OpKind::all_reduce, 64 << 10, 5, o) == "recursive_doubling");
+  CHECK(node_algorithm(OpKind::all_reduce, (64 << 10) + 1, 5, o) == "ring");
+  CHECK(node_algorithm(OpKind::broadcast, 8, 5, o) == "tree");
+  CHECK(node_algorithm(OpKind::broadcast, 8, 4, o) == "direct");
+  CHECK(node_algorithm(OpKind::reduce, 8, 5, o) == "tree");
+  CHECK(node_algorithm(OpKind::reduce, 8, 4, o) == "chain");
+  CHECK(node_algorithm(OpKind::reduce, 1 << 20, 5, o) == "chain");
+  CHECK(node_algorithm(OpKind::all_gather, 8, 64, o) ==
+        "direct");  // one block per node: no more bytes
+  o.algorithm = "tree";
+  CHECK(node_algorithm(OpKind::all_reduce, 64 << 20, 2, o) == "recursive_doubling");
+  CHECK(node_algorithm(OpKind::broadcast, 64 << 20, 2, o) == "tree");
+  CHECK(node_algorithm(OpKind::reduce, 8, 2, o) == "tree");
+  CHECK(node_algorithm(OpKind::all_gather, 8, 4, o) == "ring");
+  CHECK(node_algorithm(OpKind::reduce_scatter, 8, 4, o) == "ring");
   o.algorithm = "direct";
   CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 4, o) == "direct");
   o.algorithm = "ring";
@@ -669,13 +708,15 @@ TEST_CASE("an operation's plan: its algorithm, and the chunk where it cuts trans
   CHECK(ring.name() == "ring");
   CHECK(node_plan(OpKind::all_gather, (1 << 19) - 1, DType::float32, 4, 4, o).str() ==
         "pairwise in chunks of 1048576 bytes");
-  const NodePlan direct = node_plan(OpKind::all_reduce, 2, DType::float64, 4, 4, o);
+  const NodePlan direct = node_plan(OpKind::all_gather, 2, DType::float64, 4, 4, o);
   CHECK(direct.str() == "direct");  // one message each: no chunk
   CHECK(direct.chunk == 0);
   CHECK(node_plan(OpKind::broadcast, 1 << 20, DType::uint8, 4, 4, o).str() ==
         "chain in chunks of 1048576 bytes");
   CHECK(node_plan(OpKind::barrier, 0, DType::uint8, 4, 4, o).str() == "exchange");
   CHECK(node_plan(OpKind::all_reduce, 1 << 20, DType::uint8, 4, 1, o).str() == "none");
+  CHECK(node_plan(OpKind::all_reduce, 2, DType::float64, 4, 8, o).str() == "recursive_doubling");
+  CHECK(node_plan(OpKind::reduce, 2, DType::float64, 4, 8, o).str() == "tree");
   CHECK(NodePlan{}.str() == "an unknown algorithm");
   CHECK(NodePlan{}.name() == "unknown");
   CHECK(!NodePlan{}.known());
@@ -689,7 +730,7 @@ TEST_CASE("an operation's plan: its algorithm, and the chunk where it cuts trans
   CHECK(!(node_plan(OpKind::all_gather, 1 << 20, DType::float32, 4, 4, other) == ring));
   other = o;
   other.chunk_bytes = 512 << 10;  // the direct exchange does not chunk: the chunk is not compared
-  CHECK(node_plan(OpKind::all_reduce, 2, DType::float64, 4, 4, other) == direct);
+  CHECK(node_plan(OpKind::all_gather, 2, DType::float64, 4, 4, other) == direct);
 }
 
 TEST_CASE("an error from the channel reaches the caller") {

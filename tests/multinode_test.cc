@@ -57,6 +57,33 @@ TEST_CASE("the full matrix across 2, 3 and 4 daemons with 1-3 ranks each") {
   }
 }
 
+TEST_CASE(
+    "small operations on more nodes than collectives.pairwise_max_nodes take the trees: the "
+    "full matrix on 5 daemons, and the trees forced on 3") {
+  {
+    // 5 nodes (4 + 1): the recursive doubling all-reduce hands node 0's
+    // contribution to node 1 and back; the matrix's sizes (up to 32 KiB)
+    // are all below direct_max_bytes.
+    Cluster cl(5, {"log.level=debug"});
+    run_layout(cl, {0, 1, 2, 3, 4, 2}, 4099 * 8 * 8 + 256, [](RankCtx& c) {
+      run_matrix(c);
+      return 0;
+    });
+    for (const auto& node : cl.nodes) {
+      CHECK(node.daemon->log().find("algorithm=recursive_doubling") != std::string::npos);
+      CHECK(node.daemon->log().find(
+                "op=broadcast bytes=8 nodes=5 parallel_passes=1 algorithm=tree") !=
+            std::string::npos);
+    }
+  }
+  // Forced at every size: 3 nodes (2 + 1), several ranks on one.
+  Cluster cl(3, {"collectives.algorithm=tree", "tcp.chunk_bytes=64KiB"});
+  run_layout(cl, {0, 1, 2, 1}, 4099 * 8 * 8 + 256, [](RankCtx& c) {
+    run_matrix(c);
+    return 0;
+  });
+}
+
 TEST_CASE("the full matrix on the pairwise paths: one rank per node reads and writes the ranks' buffers in place") {
   // direct_max_bytes 0: every non-empty operation goes pairwise (up to 4
   // nodes), in 4 KiB chunks, so the nodes with one rank take the paths that

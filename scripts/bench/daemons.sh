@@ -1,10 +1,10 @@
-# Sourced by scripts/bench/ab-pair and scripts/bench/pair-mpi: sets of 4
-# collectived daemons on loopback (one per "node", one rank each), kept up for
-# a whole comparison.
+# Sourced by scripts/bench/ab-pair and scripts/bench/pair-mpi: sets of
+# BENCH_NODES (4) collectived daemons on loopback (one per "node", one rank
+# each), kept up for a whole comparison.
 #   bench_daemons_init              T: a temporary folder with a cluster secret; P: no pids yet
 #   bench_daemons NAME BUILD NET "key=value ..."
-#                                   starts 4 daemons of BUILD/bin/collectived on
-#                                   127.0.NET.2-5 with those profile keys; their
+#                                   starts BENCH_NODES daemons of BUILD/bin/collectived
+#                                   on 127.0.NET.2.. with those profile keys; their
 #                                   pids join P, their sockets (comma-joined, rank
 #                                   order) are in SOCKETS
 #   bench_daemons_wait N            until N sockets are up; fails after 10 s
@@ -22,7 +22,7 @@ bench_daemons() {
   local setargs=() bp=$(( 20000 + RANDOM % 20000 ))
   for x in $sets; do setargs+=(--set "$x"); done
   SOCKETS=""
-  for i in 0 1 2 3; do
+  for i in $(seq 0 $(( ${BENCH_NODES:-4} - 1 ))); do
     "$bd/bin/collectived" --set client.socket="$T/$name$i.sock" --set log.level=warn --set node.name=node$i \
       --set peer.listen_address=127.0.$net.$((i + 2)) --set peer.port=$((bp + i)) \
       --set peer.secret_file="$T/secret" "${setargs[@]}" 2>>"$T/log" &
