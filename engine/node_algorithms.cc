@@ -845,6 +845,16 @@ bool use_pairwise(int nodes, const NodeAlgorithmOptions& o) {
   return nodes <= o.pairwise_max_nodes;
 }
 
+/// A reduce-scatter's: pairwise on up to pairwise_max_nodes nodes, and at
+/// every node count for small operations (up to direct_max_bytes per rank):
+/// one round of the ring's bytes instead of its N-1 sequential steps.
+/// Measured (2 cores, 8 daemons x 1 rank, paired rounds of 200 operations,
+/// A/A 0.94-1.07): 64 B-64 KiB 1.06-1.26x faster than the ring, 512 KiB
+/// 0.96x.
+bool scatter_pairwise(std::uint64_t bytes, int nodes, const NodeAlgorithmOptions& o) {
+  return use_pairwise(nodes, o) || (o.algorithm == "auto" && bytes <= o.direct_max_bytes);
+}
+
 /// The log-depth algorithms for small operations (up to direct_max_bytes):
 /// recursive doubling for the all-reduce on any number of nodes, binomial
 /// trees for the broadcast and the reduce on more than pairwise_max_nodes.
@@ -914,7 +924,8 @@ bool reads_input_in_pieces(OpKind kind, std::uint64_t bytes, int nranks, int loc
     case OpKind::all_gather:
       return all_gather_kind(bytes * static_cast<std::uint64_t>(nranks), nodes, options) !=
              GatherKind::ring;
-    case OpKind::reduce_scatter: return use_pairwise(nodes, options);
+    case OpKind::reduce_scatter:
+      return scatter_pairwise(bytes, nodes, options);
     case OpKind::broadcast: return true;
     default: return false;
   }
@@ -949,7 +960,8 @@ std::string node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
         case GatherKind::ring: return "ring";
       }
       return "ring";
-    case OpKind::reduce_scatter: return use_pairwise(nodes, options) ? "pairwise" : "ring";
+    case OpKind::reduce_scatter:
+      return scatter_pairwise(bytes, nodes, options) ? "pairwise" : "ring";
     case OpKind::broadcast:
       if (use_tree(kind, bytes, nodes, options)) return "tree";
       return use_direct(bytes, options) ? "direct" : "chain";
@@ -1200,7 +1212,8 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
                         std::to_string(L.size()) + " ranks, collectives.algorithm " +
                         options.algorithm);
       }
-      if (L.size() == 1 && use_pairwise(n, options)) {
+      const bool pairwise = scatter_pairwise(one, n, options);
+      if (L.size() == 1 && pairwise) {
         // One rank: its input is read in place and its segment reduced
         // straight into its output (no scratch, no copies). Its own
         // contribution left out: the other node's, as it came (the client
@@ -1213,7 +1226,7 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
       }
       std::byte* t = ch.scratch(total);
       local_reduce(t, total);
-      if (use_pairwise(n, options)) {
+      if (pairwise) {
         algo.pairwise_reduce_scatter(t, rank_segments(op.node_of_rank, one, n), op.dtype,
                                      combine, 1);
       } else {

@@ -661,6 +661,8 @@ TEST_CASE("the algorithm choice follows the size and the profile's override") {
   CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 4, o) == "pairwise");
   CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 5, o) == "ring");
   CHECK(node_algorithm(OpKind::reduce_scatter, 8, 4, o) == "pairwise");
+  CHECK(node_algorithm(OpKind::reduce_scatter, 64 << 10, 64, o) == "pairwise");  // small: one round
+  CHECK(node_algorithm(OpKind::reduce_scatter, (64 << 10) + 1, 5, o) == "ring");
   CHECK(node_algorithm(OpKind::all_gather, 1 << 20, 3, o) == "pairwise");
   // All-gather (bytes of the whole output): the ring from 2 MiB per node
   // on 3 nodes or more; on 2 the pairwise exchange is the same transfers.
