@@ -165,7 +165,7 @@ TEST_CASE("the embedded default documents every key and sets the documented defa
   CHECK(p.tcp.io_threads == 4);
   CHECK(p.tcp.congestion_control == "cubic");
   CHECK(p.collectives.algorithm == "auto");
-  CHECK(p.collectives.direct_max_bytes == 64 * 1024);
+  CHECK(p.collectives.direct_max_bytes == 256 * 1024);
   CHECK(p.collectives.pairwise_max_nodes == 4);
   CHECK(p.verbs.hcas.empty());
   CHECK(p.verbs.gid_index == -1);

@@ -845,14 +845,20 @@ bool use_pairwise(int nodes, const NodeAlgorithmOptions& o) {
   return nodes <= o.pairwise_max_nodes;
 }
 
+/// Up to this many bytes per rank (and direct_max_bytes), a reduce-scatter
+/// is pairwise on any number of nodes (scatter_pairwise).
+constexpr std::uint64_t kPairwiseScatterMaxBytes = std::uint64_t{16} << 10;
+
 /// A reduce-scatter's: pairwise on up to pairwise_max_nodes nodes, and at
-/// every node count for small operations (up to direct_max_bytes per rank):
-/// one round of the ring's bytes instead of its N-1 sequential steps.
-/// Measured (2 cores, 8 daemons x 1 rank, paired rounds of 200 operations,
-/// A/A 0.94-1.07): 64 B-64 KiB 1.06-1.26x faster than the ring, 512 KiB
-/// 0.96x.
+/// every node count for the smallest operations: one round of the ring's
+/// bytes instead of its N-1 sequential steps. Measured (2 cores, 8 daemons
+/// x 1 rank, paired rounds of 50-200 operations, A/A 0.94-1.07), pairwise
+/// against the ring: 8 B-8 KiB per rank 1.06-1.26x faster; 32-256 KiB per
+/// rank 0.91-0.99x (N-1 senders at once on each receiver).
 bool scatter_pairwise(std::uint64_t bytes, int nodes, const NodeAlgorithmOptions& o) {
-  return use_pairwise(nodes, o) || (o.algorithm == "auto" && bytes <= o.direct_max_bytes);
+  return use_pairwise(nodes, o) ||
+         (o.algorithm == "auto" &&
+          bytes <= std::min<std::uint64_t>(o.direct_max_bytes, kPairwiseScatterMaxBytes));
 }
 
 /// The log-depth algorithms for small operations (up to direct_max_bytes):

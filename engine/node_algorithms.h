@@ -159,7 +159,7 @@ struct NodeAlgorithmOptions {
   std::size_t chunk_bytes = std::size_t{1} << 20;
   /// Operations up to this many bytes per node use the direct exchange
   /// (all-reduce, all-gather, broadcast); larger ones the ring or chain.
-  std::size_t direct_max_bytes = std::size_t{64} << 10;
+  std::size_t direct_max_bytes = std::size_t{256} << 10;
   /// Above direct_max_bytes, communicators over at most this many nodes use
   /// the pairwise algorithms (every node exchanges with every other at once:
   /// the ring's bytes in one step instead of N-1), larger ones the ring.

@@ -661,8 +661,8 @@ TEST_CASE("the algorithm choice follows the size and the profile's override") {
   CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 4, o) == "pairwise");
   CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 5, o) == "ring");
   CHECK(node_algorithm(OpKind::reduce_scatter, 8, 4, o) == "pairwise");
-  CHECK(node_algorithm(OpKind::reduce_scatter, 64 << 10, 64, o) == "pairwise");  // small: one round
-  CHECK(node_algorithm(OpKind::reduce_scatter, (64 << 10) + 1, 5, o) == "ring");
+  CHECK(node_algorithm(OpKind::reduce_scatter, 16 << 10, 64, o) == "pairwise");  // small: one round
+  CHECK(node_algorithm(OpKind::reduce_scatter, (16 << 10) + 1, 5, o) == "ring");
   CHECK(node_algorithm(OpKind::all_gather, 1 << 20, 3, o) == "pairwise");
   // All-gather (bytes of the whole output): the ring from 2 MiB per node
   // on 3 nodes or more; on 2 the pairwise exchange is the same transfers.
@@ -675,8 +675,9 @@ TEST_CASE("the algorithm choice follows the size and the profile's override") {
   CHECK(node_algorithm(OpKind::broadcast, 1 << 20, 4, o) == "chain");
   CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 1, o) == "none");
   // Small operations on more nodes than pairwise_max_nodes: the trees.
-  CHECK(node_algorithm(OpKind::all_reduce, 64 << 10, 5, o) == "recursive_doubling");
-  CHECK(node_algorithm(OpKind::all_reduce, (64 << 10) + 1, 5, o) == "ring");
+  CHECK(node_algorithm(OpKind::all_reduce, 256 << 10, 5, o) == "recursive_doubling");
+  CHECK(node_algorithm(OpKind::all_reduce, (256 << 10) + 1, 5, o) == "ring");
+  CHECK(node_algorithm(OpKind::all_reduce, (256 << 10) + 1, 4, o) == "pairwise");
   CHECK(node_algorithm(OpKind::broadcast, 8, 5, o) == "tree");
   CHECK(node_algorithm(OpKind::broadcast, 8, 4, o) == "direct");
   CHECK(node_algorithm(OpKind::reduce, 8, 5, o) == "tree");
