@@ -103,7 +103,7 @@ struct TcpSection {
 
 /// How collectives between nodes are done (engine/node_algorithms.h).
 struct CollectivesSection {
-  std::string algorithm;              ///< "auto", "ring" or "direct"
+  std::string algorithm;              ///< "auto", "ring", "pairwise", "direct" or "tree"
   std::uint64_t direct_max_bytes = 0;  ///< auto: direct exchange up to this size
   std::uint32_t pairwise_max_nodes = 0;  ///< auto: pairwise above it on up to this many nodes
 };

@@ -157,14 +157,17 @@ class NodeChannel {
 struct NodeAlgorithmOptions {
   /// Transfers are cut in chunks of this size (a multiple of 64 bytes).
   std::size_t chunk_bytes = std::size_t{1} << 20;
-  /// Operations up to this many bytes per node use the direct exchange
-  /// (all-reduce, all-gather, broadcast); larger ones the ring or chain.
+  /// Operations up to this many bytes per node are small: recursive
+  /// doubling (all-reduce), the direct exchange (all-gather, broadcast),
+  /// trees on many nodes (broadcast, reduce); larger ones pairwise, ring or
+  /// chain.
   std::size_t direct_max_bytes = std::size_t{256} << 10;
   /// Above direct_max_bytes, communicators over at most this many nodes use
   /// the pairwise algorithms (every node exchanges with every other at once:
-  /// the ring's bytes in one step instead of N-1), larger ones the ring.
+  /// the ring's bytes in one step instead of N-1), larger ones the ring;
+  /// below it, broadcast and reduce take trees on more nodes than this.
   int pairwise_max_nodes = 4;
-  /// "auto" (by size and nodes), "ring", "pairwise" or "direct": the
+  /// "auto" (by size and nodes), "ring", "pairwise", "direct" or "tree": the
   /// profile's override.
   std::string algorithm = "auto";
   /// How long an operation waiting for its local ranks' input pieces reads
