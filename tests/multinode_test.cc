@@ -451,6 +451,53 @@ TEST_CASE(
   });
 }
 
+TEST_CASE(
+    "a reload that changes one node's collectives.algorithm fails the operations after it "
+    "with a mismatch; reloaded back, the communicator runs again") {
+  Cluster cl;
+  const std::string file = cl.dir.file("node1.yaml");
+  write_file(file, "collectives:\n  algorithm: auto\n");
+  for (int i = 0; i < 2; ++i) {
+    Node& n = cl.add("node" + std::to_string(i), "127.0.0." + std::to_string(i + 2));
+    n.extra = {"deadlines.heartbeat_ms=1000", "deadlines.operation_ms=30000"};
+    if (i == 1) n.profile_file = file;
+  }
+  cl.start();
+  const Daemon& node1 = *cl.nodes[1].daemon;
+  // SIGHUP until the change is logged: under TSan a signal may wait long
+  // for its thread (lifecycle_test), and a reload is idempotent.
+  auto reload = [&](const char* algorithm, const std::string& logged, int nth) {
+    write_file(file, std::string("collectives:\n  algorithm: ") + algorithm + "\n");
+    for (int i = 0; i < 15; ++i) {
+      ::kill(node1.pid(), SIGHUP);
+      if (node1.wait_for_log(logged, 2s) && count_of(node1.log(), "event=reloaded") >= nth)
+        return true;
+    }
+    return false;
+  };
+  run_layout(cl, {0, 1}, 1 << 16, [&](RankCtx& c) {
+    sum_check(c, c.comm, 100);
+    // Rank 1 (on node1) reloads its node before its next operation; rank 0
+    // goes on at once: either way node1 plans the operation after the reload.
+    if (c.rank == 1 && !reload("ring", "key=collectives.algorithm from=auto to=ring", 1)) {
+      c.report("node1 did not log the reload to ring");
+      return 1;
+    }
+    const collective_result_t rc = all_reduce_wait(c.comm, c.send, c.recv, 100);
+    const char* msg = collective_last_error();
+    if (rc != COLLECTIVE_MISMATCH || !contains(msg, "as ring") ||
+        !contains(msg, "recursive_doubling") || !contains(msg, "collectives.algorithm")) {
+      c.report(std::string("expected a mismatch of plans, got ") + std::to_string(rc) + ": " + msg);
+    }
+    if (c.rank == 1 && !reload("auto", "key=collectives.algorithm from=ring to=auto", 2)) {
+      c.report("node1 did not log the reload back to auto");
+      return 1;
+    }
+    sum_check(c, c.comm, 100);
+    return 0;
+  });
+}
+
 TEST_CASE("a rank killed on one node fails the others' operations naming it") {
   Cluster cl(2);
   run_layout(cl, {0, 1}, 1 << 16, [](RankCtx& c) {

@@ -48,6 +48,7 @@ struct Node {
   std::string secret_file;
   std::vector<std::string> extra{};
   std::map<std::string, std::string> env{};
+  std::string profile_file{};  ///< --profile (optional): a file a test may rewrite and reload
   std::uint16_t port = 0;
   std::unique_ptr<Daemon> daemon{};
 
@@ -64,6 +65,7 @@ struct Node {
                    "tcp.streams_per_peer=2"};
     o.overrides.insert(o.overrides.end(), extra.begin(), extra.end());
     o.env = env;
+    o.profile_file = profile_file;
     return o;
   }
 
