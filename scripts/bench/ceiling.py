@@ -14,7 +14,15 @@ reduce-scatter (the ring's bytes), N/(N-1) for broadcast and reduce (N-1
 transfers of the size in all, where the ring moves N streams). A need above
 the bound cannot be met here by any implementation; those cells end in "!".
 
-usage: ceiling.py OURS MPI GLOO TCP_RING [TCP_RING_COLD]   (nccl-tests tables; tcp-ring's output)
+With --lean LEAN (scripts/bench/tcp-lean.c's tables: the same collectives
+done by a lean implementation, no daemon, every step pipelined over the same
+loopback ring), a second table per collective: ours, lean and Gloo busbw,
+ours/lean, lean/gloo, and whether lean itself reaches 1.5x Gloo ("no": that
+cell of the goal is beyond what a lean implementation of the algorithm
+reaches on this machine, measured in the same run).
+
+usage: ceiling.py OURS MPI GLOO TCP_RING [TCP_RING_COLD] [--lean LEAN]
+       (nccl-tests tables; tcp-ring's output)
 """
 import statistics
 import sys
@@ -44,7 +52,33 @@ def bound(op, nranks):
     return nranks / (nranks - 1) if op in ("broadcast", "reduce") else 1.0
 
 
+def lean_table(ours, gloo, lean_path):
+    lean, _ = compare.parse(lean_path)
+    f = lambda v: "-" if v is None else f"{v:.2f}"
+    r = lambda a, b: None if a is None or b is None or b <= 0 else a / b
+    print("\n# against tcp-lean (the same collectives, lean: no daemon, no client, ring/chain pipelined in"
+          " pieces, out of place), medians over the rounds; 'lean >= 1.5 gloo': whether lean itself meets the goal")
+    for op in sorted(set(ours) & set(lean)):
+        print(f"\n## {op}")
+        print(f"{'size':>12} {'ours':>6} {'lean':>6} {'gloo':>6} {'ours/lean':>10} {'lean/gloo':>10} "
+              f"{'ours/gloo':>10} {'lean >= 1.5 gloo':>17}")
+        for size in sorted(lean[op]):
+            o, l, g = med(ours, op, size), med(lean, op, size), med(gloo, op, size)
+            lg = r(l, g)
+            meets = "-" if lg is None else ("yes" if lg >= 1.5 else "no")
+            print(f"{size:>12} {f(o):>6} {f(l):>6} {f(g):>6} {f(r(o, l)):>10} {f(lg):>10} {f(r(o, g)):>10} "
+                  f"{meets:>17}")
+
+
 def main(argv):
+    lean_path = None
+    if "--lean" in argv:
+        k = argv.index("--lean")
+        if k + 1 >= len(argv):
+            print(__doc__, file=sys.stderr)
+            return 2
+        lean_path = argv[k + 1]
+        argv = argv[:k] + argv[k + 2:]
     if len(argv) not in (5, 6):
         print(__doc__, file=sys.stderr)
         return 2
@@ -88,6 +122,8 @@ def main(argv):
                       f"{f(need_g):>13}{mark} {b:>6.2f}")
             else:
                 print(f"{size:>12} {c:>8.2f} {f(div(o)):>6} {f(div(m)):>6} {f(div(g)):>6} {f(need_g):>14}")
+    if lean_path:
+        lean_table(ours, gloo, lean_path)
     return 0
 
 
