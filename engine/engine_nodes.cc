@@ -196,7 +196,7 @@ class EngineChannel final : public NodeChannel {
     d.setCount(desc_.count);
     d.setRoot(desc_.root);
     d.setDescRank(static_cast<std::uint32_t>(desc_rank_));
-    d.setPlanAlgorithm(plan_.algorithm);
+    d.setPlanAlgorithm(static_cast<std::uint8_t>(plan_.algorithm));
     d.setPlanChunk(plan_.chunk);
     auto keep = std::make_shared<Keep>(Keep{keep_, scratch_, std::move(owner)});
     {
@@ -1558,7 +1558,7 @@ void Engine::Impl::handle_node_message(const std::string& peer, MessageBytes byt
       NodeIn item;
       item.desc = desc_of(dm);
       item.desc_rank = static_cast<int>(dm.getDescRank());
-      item.plan.algorithm = dm.getPlanAlgorithm();
+      item.plan.algorithm = static_cast<NodeAlgorithm>(dm.getPlanAlgorithm());
       item.plan.chunk = dm.getPlanChunk();
       item.count = dm.getCount();
       item.dtype = static_cast<DType>(dm.getDtype());

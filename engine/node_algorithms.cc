@@ -951,44 +951,57 @@ std::uint64_t first_input_read(OpKind kind, std::uint64_t count, DType dtype,
   return segs[next][0].offset;
 }
 
-std::string node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
-                           const NodeAlgorithmOptions& options) {
-  if (nodes <= 1) return "none";
+NodeAlgorithm choose_node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
+                                    const NodeAlgorithmOptions& options) {
+  using A = NodeAlgorithm;
+  if (nodes <= 1) return A::none;
   switch (kind) {
     case OpKind::all_reduce:
-      if (use_tree(kind, bytes, nodes, options)) return "recursive_doubling";
-      if (use_direct(bytes, options)) return "direct";
-      return use_pairwise(nodes, options) ? "pairwise" : "ring";
+      if (use_tree(kind, bytes, nodes, options)) return A::recursive_doubling;
+      if (use_direct(bytes, options)) return A::direct;
+      return use_pairwise(nodes, options) ? A::pairwise : A::ring;
     case OpKind::all_gather:
       switch (all_gather_kind(bytes, nodes, options)) {
-        case GatherKind::direct: return "direct";
-        case GatherKind::pairwise: return "pairwise";
-        case GatherKind::ring: return "ring";
+        case GatherKind::direct: return A::direct;
+        case GatherKind::pairwise: return A::pairwise;
+        case GatherKind::ring: return A::ring;
       }
-      return "ring";
+      return A::ring;
     case OpKind::reduce_scatter:
-      return scatter_pairwise(bytes, nodes, options) ? "pairwise" : "ring";
+      return scatter_pairwise(bytes, nodes, options) ? A::pairwise : A::ring;
     case OpKind::broadcast:
-      if (use_tree(kind, bytes, nodes, options)) return "tree";
-      return use_direct(bytes, options) ? "direct" : "chain";
+      if (use_tree(kind, bytes, nodes, options)) return A::tree;
+      return use_direct(bytes, options) ? A::direct : A::chain;
     case OpKind::reduce:
-      return use_tree(kind, bytes, nodes, options) ? "tree" : "chain";
-    default: return "exchange";
+      return use_tree(kind, bytes, nodes, options) ? A::tree : A::chain;
+    default: return A::exchange;
   }
 }
 
-namespace {
-// NodePlan::algorithm - 1: every name node_algorithm returns.
-constexpr const char* kPlanNames[] = {"none",  "direct",   "pairwise",           "ring",
-                                      "chain", "exchange", "recursive_doubling", "tree"};
-}  // namespace
-
-std::string NodePlan::name() const {
-  return known() && algorithm <= std::size(kPlanNames) ? kPlanNames[algorithm - 1] : "unknown";
+std::string_view to_string(NodeAlgorithm algorithm) {
+  switch (algorithm) {
+    case NodeAlgorithm::unknown: break;
+    case NodeAlgorithm::none: return "none";
+    case NodeAlgorithm::direct: return "direct";
+    case NodeAlgorithm::pairwise: return "pairwise";
+    case NodeAlgorithm::ring: return "ring";
+    case NodeAlgorithm::chain: return "chain";
+    case NodeAlgorithm::exchange: return "exchange";
+    case NodeAlgorithm::recursive_doubling: return "recursive_doubling";
+    case NodeAlgorithm::tree: return "tree";
+  }
+  return "unknown";
 }
 
+std::string node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
+                           const NodeAlgorithmOptions& options) {
+  return std::string(to_string(choose_node_algorithm(kind, bytes, nodes, options)));
+}
+
+std::string NodePlan::name() const { return std::string(to_string(algorithm)); }
+
 std::string NodePlan::str() const {
-  if (!known() || algorithm > std::size(kPlanNames)) return "an unknown algorithm";
+  if (to_string(algorithm) == "unknown") return "an unknown algorithm";
   std::string s = name();
   if (chunk != 0) s += " in chunks of " + std::to_string(chunk) + " bytes";
   return s;
@@ -999,12 +1012,13 @@ NodePlan node_plan(OpKind kind, std::uint64_t count, DType dtype, int nranks, in
   // all-gather chooses by what each node ends up with (node_algorithm).
   const std::uint64_t bytes = count * dtype_size(dtype) *
                               (kind == OpKind::all_gather ? static_cast<std::uint64_t>(nranks) : 1);
-  const std::string name = node_algorithm(kind, bytes, nodes, options);
   NodePlan plan;
-  for (std::size_t i = 0; i < std::size(kPlanNames); ++i) {
-    if (name == kPlanNames[i]) plan.algorithm = static_cast<std::uint8_t>(i + 1);
+  plan.algorithm = choose_node_algorithm(kind, bytes, nodes, options);
+  // The algorithms that cut transfers in chunks (transfer_chunk).
+  if (plan.algorithm == NodeAlgorithm::pairwise || plan.algorithm == NodeAlgorithm::ring ||
+      plan.algorithm == NodeAlgorithm::chain) {
+    plan.chunk = options.chunk_bytes;
   }
-  if (name == "pairwise" || name == "ring" || name == "chain") plan.chunk = options.chunk_bytes;
   return plan;
 }
 

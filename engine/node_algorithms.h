@@ -36,6 +36,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "engine/dtype.h"
@@ -189,9 +190,28 @@ struct NodeAlgorithmOptions {
 /// total, so they agree on every chunk's tag and size.
 std::uint64_t transfer_chunk(std::uint64_t total, std::uint64_t chunk);
 
+/// An algorithm between nodes. The values are on the wire (OpData's
+/// planAlgorithm): append, never renumber.
+enum class NodeAlgorithm : std::uint8_t {
+  unknown = 0,  ///< a message without a plan (point-to-point, a daemon before plans)
+  none = 1,     ///< one node: nothing between nodes
+  direct,
+  pairwise,
+  ring,
+  chain,
+  exchange,
+  recursive_doubling,
+  tree,
+};
+/// "ring", "recursive_doubling", ...; "unknown" for unknown and for values
+/// this build does not know (a newer daemon's).
+std::string_view to_string(NodeAlgorithm algorithm);
+
 /// Which algorithm an operation of `bytes` per rank (for all-gather: of the
-/// whole output) uses between `nodes` nodes ("pairwise", "ring", "direct",
-/// "chain", "exchange", "none"); for logs, status and tests.
+/// whole output) uses between `nodes` nodes.
+NodeAlgorithm choose_node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
+                                    const NodeAlgorithmOptions& options);
+/// to_string(choose_node_algorithm(...)): for logs, status and tests.
 std::string node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
                            const NodeAlgorithmOptions& options);
 
@@ -213,15 +233,13 @@ bool reads_input_in_pieces(OpKind kind, std::uint64_t bytes, int nranks, int loc
 /// happens where the daemons' profiles disagree on collectives.* or
 /// tcp.chunk_bytes (one edited and reloaded, not the others).
 struct NodePlan {
-  /// Index into the names of node_algorithm, from 1; 0: not known (a
-  /// message without a plan: point-to-point, or a daemon before plans).
-  std::uint8_t algorithm = 0;
+  NodeAlgorithm algorithm = NodeAlgorithm::unknown;
   /// The chunk of the algorithms that cut transfers (pairwise, ring,
   /// chain); 0 for the others.
   std::uint64_t chunk = 0;
-  bool known() const { return algorithm != 0; }
+  bool known() const { return algorithm != NodeAlgorithm::unknown; }
   bool operator==(const NodePlan& o) const { return algorithm == o.algorithm && chunk == o.chunk; }
-  /// The algorithm's name as node_algorithm gives it ("unknown": none).
+  /// The algorithm's name (to_string).
   std::string name() const;
   /// "ring in chunks of 1048576 bytes", "direct".
   std::string str() const;

@@ -723,6 +723,16 @@ TEST_CASE("an operation's plan: its algorithm, and the chunk where it cuts trans
   CHECK(NodePlan{}.str() == "an unknown algorithm");
   CHECK(NodePlan{}.name() == "unknown");
   CHECK(!NodePlan{}.known());
+  // On the wire: the values stay what they were when plans were added.
+  CHECK(static_cast<int>(NodeAlgorithm::none) == 1);
+  CHECK(static_cast<int>(NodeAlgorithm::recursive_doubling) == 7);
+  CHECK(static_cast<int>(NodeAlgorithm::tree) == 8);
+  // A value this build does not know (a newer daemon's) is named, not trusted.
+  NodePlan newer;
+  newer.algorithm = static_cast<NodeAlgorithm>(200);
+  CHECK(newer.known());
+  CHECK(newer.str() == "an unknown algorithm");
+  CHECK(!(newer == ring));
   // The same options give the same plan; an override or another chunk does not.
   CHECK(node_plan(OpKind::all_gather, 1 << 20, DType::float32, 4, 4, o) == ring);
   NodeAlgorithmOptions other = o;
