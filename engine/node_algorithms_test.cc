@@ -472,6 +472,22 @@ TEST_CASE("node algorithms match the reference for every layout, size and operat
   }
 }
 
+TEST_CASE("an all-reduce of 8 MiB per rank on 4 nodes: the ring, its input reduced where it is") {
+  // The default options: the size, not a lowered threshold, picks the ring.
+  NodeAlgorithmOptions o;
+  REQUIRE(node_algorithm(OpKind::all_reduce, 8 << 20, 4, o) == "ring");
+  const std::uint64_t count = (8 << 20) / 4;
+  for (const auto& layout : std::vector<std::vector<int>>{{0, 1, 2, 3}, {3, 2, 1, 0, 0}}) {
+    for (bool in_place : {false, true}) {
+      for (RedOp op : {RedOp::sum, RedOp::avg}) {
+        CAPTURE(layout.size());
+        CAPTURE(in_place);
+        run(layout, Case{OpKind::all_reduce, op, count, in_place, 0}, o);
+      }
+    }
+  }
+}
+
 TEST_CASE("a transfer of two to four chunks is cut into four, the same on both ends") {
   constexpr std::uint64_t chunk = 1044480;  // 1 MiB less 4 KiB: any chunk will do
   CHECK(transfer_chunk(0, chunk) == chunk);
@@ -660,6 +676,12 @@ TEST_CASE("the algorithm choice follows the size and the profile's override") {
   CHECK(node_algorithm(OpKind::all_gather, 8, 4, o) == "direct");
   CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 4, o) == "pairwise");
   CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 5, o) == "ring");
+  // All-reduce: the ring from 8 MiB per rank on 4 nodes or more, pairwise
+  // below it and on 3 nodes.
+  CHECK(node_algorithm(OpKind::all_reduce, 8 << 20, 4, o) == "ring");
+  CHECK(node_algorithm(OpKind::all_reduce, (8 << 20) - 4, 4, o) == "pairwise");
+  CHECK(node_algorithm(OpKind::all_reduce, 64 << 20, 3, o) == "pairwise");
+  CHECK(node_algorithm(OpKind::all_reduce, 64 << 20, 2, o) == "pairwise");
   CHECK(node_algorithm(OpKind::reduce_scatter, 8, 4, o) == "pairwise");
   CHECK(node_algorithm(OpKind::reduce_scatter, 16 << 10, 64, o) == "pairwise");  // small: one round
   CHECK(node_algorithm(OpKind::reduce_scatter, (16 << 10) + 1, 5, o) == "ring");
@@ -698,6 +720,7 @@ TEST_CASE("the algorithm choice follows the size and the profile's override") {
   CHECK(node_algorithm(OpKind::reduce_scatter, 1 << 20, 2, o) == "ring");
   o.algorithm = "pairwise";
   CHECK(node_algorithm(OpKind::all_reduce, 8, 8, o) == "pairwise");
+  CHECK(node_algorithm(OpKind::all_reduce, 64 << 20, 4, o) == "pairwise");
   CHECK(node_algorithm(OpKind::all_gather, 64 << 20, 4, o) == "pairwise");
 }
 
