@@ -1278,11 +1278,16 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
         return;
       }
       std::byte* t = ch.scratch(total);
-      local_reduce(t, total);
       if (pairwise) {
+        local_reduce(t, total);
         algo.pairwise_reduce_scatter(t, rank_segments(op.node_of_rank, one, n), op.dtype,
                                      combine, 1);
+      } else if (L.size() == 1 && n > 1) {
+        // One rank: its input is reduced where it is (no copy into `t` first).
+        algo.ring_reduce_scatter(t, rank_segments(op.node_of_rank, one, n), op.dtype, combine, 1,
+                                 L[0].send);
       } else {
+        local_reduce(t, total);
         algo.ring_reduce_scatter(t, rank_segments(op.node_of_rank, one, n), op.dtype,
                                  combine, 1);
       }
