@@ -29,42 +29,14 @@
  *                 [-p PIECE] [--op all|all-reduce,all-gather,...]
  * Only loopback addresses are used. */
 #define _GNU_SOURCE
-#include <arpa/inet.h>
 #include <errno.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
-#include <time.h>
-#include <unistd.h>
+
+#include "tcp-common.h"
 
 enum { AR, AG, RS, BC, NOPS };
 static const char* kNames[NOPS] = {"all-reduce", "all-gather", "reduce-scatter", "broadcast"};
-
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static uint64_t parse_size(const char* s) {
-  char* end;
-  double v = strtod(s, &end);
-  if (*end == 'K' || *end == 'k') v *= 1024;
-  if (*end == 'M' || *end == 'm') v *= 1024 * 1024;
-  if (*end == 'G' || *end == 'g') v *= 1024.0 * 1024 * 1024;
-  return (uint64_t)v;
-}
-
-static void die(const char* what) {
-  perror(what);
-  exit(1);
-}
 
 /* One operation's view of the two streams on this rank's links: what the
  * x-th byte sent is read from and where the x-th byte received goes. */
@@ -76,8 +48,6 @@ typedef struct {
   float* tmp;          /* one piece, cache-hot: received before reduction */
   size_t piece;
 } Op;
-
-static const char kCc[] = "cubic";
 
 static int mod(int a, int n) { return ((a % n) + n) % n; }
 
@@ -221,73 +191,28 @@ static void run(const Op* o, int out_fd, int in_fd) {
 /* Input of rank r: small integers, so every sum is exact in float. */
 static float input_value(int r, uint64_t i) { return (float)((r + 1) * (int)(1 + i % 7)); }
 
-int main(int argc, char** argv) {
-  int n = 4, iters = 20, warmup = 5;
-  uint64_t minb = 1 << 20, maxb = 64 << 20, factor = 2, piece_bytes = 256 << 10;
-  int want[NOPS] = {1, 1, 1, 1};
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!strcmp(argv[i], "-t")) n = atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "-b")) minb = parse_size(argv[i + 1]);
-    else if (!strcmp(argv[i], "-e")) maxb = parse_size(argv[i + 1]);
-    else if (!strcmp(argv[i], "-f")) factor = parse_size(argv[i + 1]);
-    else if (!strcmp(argv[i], "-n")) iters = atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "-w")) warmup = atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "-p")) piece_bytes = parse_size(argv[i + 1]);
-    else if (!strcmp(argv[i], "--op")) {
-      if (strcmp(argv[i + 1], "all") != 0) {
-        for (int k = 0; k < NOPS; ++k) want[k] = strstr(argv[i + 1], kNames[k]) != NULL;
-      }
-    } else {
-      fprintf(stderr,
-              "usage: tcp-lean [-t N] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP]\n"
-              "                [-p PIECE (bytes per send/recv call and per reduction, 256K)]\n"
-              "                [--op all|all-reduce,all-gather,reduce-scatter,broadcast]\n");
-      return 2;
-    }
+static int want[NOPS] = {1, 1, 1, 1};  // --op
+
+static int lean_option(const char* opt, const char* val) {
+  if (strcmp(opt, "--op") != 0) return 0;
+  if (strcmp(val, "all") != 0) {
+    for (int k = 0; k < NOPS; ++k) want[k] = strstr(val, kNames[k]) != NULL;
   }
-  if (n < 2 || n > 200 || factor < 2 || minb == 0 || piece_bytes < 4 || piece_bytes % 4 != 0) {
-    fprintf(stderr, "tcp-lean: bad arguments\n");
+  return 1;
+}
+
+int main(int argc, char** argv) {
+  Sweep sw = {.n = 4, .iters = 20, .warmup = 5, .minb = 1 << 20, .maxb = 64 << 20, .factor = 2, .piece = 256 << 10};
+  if (!sweep_parse(&sw, argc, argv, lean_option, "tcp-lean",
+                   "                [-p PIECE (bytes per send/recv call and per reduction, 256K)]\n"
+                   "                [--op all|all-reduce,all-gather,reduce-scatter,broadcast]\n",
+                   4)) {
     return 2;
   }
-  const int port = 20000 + (int)((getpid() * 7) % 20000);
-  int report[2];
-  if (pipe(report) != 0) die("pipe");
-  int rank = 0;
-  for (int r = 1; r < n; ++r) {
-    pid_t pid = fork();
-    if (pid < 0) die("fork");
-    if (pid == 0) {
-      rank = r;
-      break;
-    }
-  }
-  /* Listen on 127.0.0.(2+rank), connect to the right, accept from the left. */
-  int ls = socket(AF_INET, SOCK_STREAM, 0);
-  int one = 1;
-  setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  /* cubic, as the daemons' peer sockets (a pacing system default, bbr,
-   * slows loopback streams down; scripts/bench/congestion.sh), set before
-   * listen and connect: accepted sockets inherit the listener's. */
-  setsockopt(ls, IPPROTO_TCP, TCP_CONGESTION, kCc, sizeof kCc - 1);
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)(port + rank))};
-  a.sin_addr.s_addr = htonl(0x7f000002u + (uint32_t)rank);
-  if (bind(ls, (struct sockaddr*)&a, sizeof a) != 0) die("bind");
-  if (listen(ls, 4) != 0) die("listen");
-  const int right = (rank + 1) % n;
-  struct sockaddr_in b = {.sin_family = AF_INET, .sin_port = htons((uint16_t)(port + right))};
-  b.sin_addr.s_addr = htonl(0x7f000002u + (uint32_t)right);
-  int out = -1;
-  for (int tries = 0;; ++tries) {
-    out = socket(AF_INET, SOCK_STREAM, 0);
-    setsockopt(out, IPPROTO_TCP, TCP_CONGESTION, kCc, sizeof kCc - 1);
-    if (connect(out, (struct sockaddr*)&b, sizeof b) == 0) break;
-    if (tries > 500) die("connect");
-    close(out);
-    usleep(10000);
-  }
-  setsockopt(out, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  int in = accept(ls, NULL, NULL);
-  if (in < 0) die("accept");
+  const int n = sw.n, iters = sw.iters, warmup = sw.warmup;
+  const uint64_t minb = sw.minb, maxb = sw.maxb, factor = sw.factor, piece_bytes = sw.piece;
+  const Ring ring = ring_start(n, 7);
+  const int rank = ring.rank, out = ring.out, in = ring.in;
 
   const size_t piece = (size_t)piece_bytes;
   /* Buffers of the largest size, touched once, as a collective's are. */
@@ -336,13 +261,7 @@ int main(int argc, char** argv) {
         for (uint64_t i = 0; i < in_bytes / 4; ++i) fin[i] = input_value(rank, i);
         for (int it = -warmup - 1; it < iters; ++it) {
           if (it == 0) {
-            /* A token around the ring lines the processes up before timing. */
-            char tok = 1;
-            if (rank == 0) {
-              if (send(out, &tok, 1, 0) != 1 || recv(in, &tok, 1, MSG_WAITALL) != 1) die("sync");
-            } else {
-              if (recv(in, &tok, 1, MSG_WAITALL) != 1 || send(out, &tok, 1, 0) != 1) die("sync");
-            }
+            ring_sync(&ring); /* lines the processes up before timing */
             us[place] = now();
           }
           if (o.op == BC && rank == 0 && o.in != o.out) memcpy(o.out, o.in, s);
@@ -372,11 +291,11 @@ int main(int argc, char** argv) {
       long all_wrong = wrong;
       if (rank != 0) {
         double msg[3] = {us[0], us[1], (double)wrong};
-        if (write(report[1], msg, sizeof msg) != sizeof msg) die("report");
+        if (write(ring.report[1], msg, sizeof msg) != sizeof msg) die("report");
       } else {
         for (int r = 1; r < n; ++r) {
           double msg[3];
-          if (read(report[0], msg, sizeof msg) != sizeof msg) die("report");
+          if (read(ring.report[0], msg, sizeof msg) != sizeof msg) die("report");
           if (msg[0] > worst[0]) worst[0] = msg[0];
           if (msg[1] > worst[1]) worst[1] = msg[1];
           all_wrong += (long)msg[2];

@@ -17,40 +17,11 @@
  * usage: tcp-ring [-t N] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-p PIECE] [-s SOCKBUF] [-o 0|1]
  * Only loopback addresses are used. */
 #define _GNU_SOURCE
-#include <arpa/inet.h>
 #include <errno.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
-#include <signal.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
-#include <time.h>
-#include <unistd.h>
 
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static uint64_t parse_size(const char* s) {
-  char* end;
-  double v = strtod(s, &end);
-  if (*end == 'K' || *end == 'k') v *= 1024;
-  if (*end == 'M' || *end == 'm') v *= 1024 * 1024;
-  if (*end == 'G' || *end == 'g') v *= 1024.0 * 1024 * 1024;
-  return (uint64_t)v;
-}
-
-static void die(const char* what) {
-  perror(what);
-  exit(1);
-}
+#include "tcp-common.h"
 
 /* Streams `bytes` out on `out` and in on `in` at the same time. */
 static int spread;  // -o 1: buffers of the streamed size, offset by what moved
@@ -79,66 +50,24 @@ static void stream(int out, int in, uint64_t bytes, char* sbuf, char* rbuf, size
   }
 }
 
+static uint64_t sockbuf;  // -s: SO_SNDBUF/SO_RCVBUF, 0: the kernel's
+
+static int ring_option(const char* opt, const char* val) {
+  if (!strcmp(opt, "-s")) sockbuf = parse_size(val);
+  else if (!strcmp(opt, "-o")) spread = atoi(val);
+  else return 0;
+  return 1;
+}
+
 int main(int argc, char** argv) {
-  int n = 4, iters = 10, warmup = 3;
-  uint64_t minb = 1 << 20, maxb = 64 << 20, factor = 2, piece_bytes = 1 << 20, sockbuf = 0;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!strcmp(argv[i], "-t")) n = atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "-b")) minb = parse_size(argv[i + 1]);
-    else if (!strcmp(argv[i], "-e")) maxb = parse_size(argv[i + 1]);
-    else if (!strcmp(argv[i], "-f")) factor = parse_size(argv[i + 1]);
-    else if (!strcmp(argv[i], "-n")) iters = atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "-w")) warmup = atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "-p")) piece_bytes = parse_size(argv[i + 1]);
-    else if (!strcmp(argv[i], "-s")) sockbuf = parse_size(argv[i + 1]);
-    else if (!strcmp(argv[i], "-o")) spread = atoi(argv[i + 1]);
-    else {
-      fprintf(stderr,
-              "usage: tcp-ring [-t N] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP]\n"
-              "                [-p PIECE (bytes per send/recv call, 1M)] [-s SOCKBUF (SO_SNDBUF/SO_RCVBUF, kernel default)]\n"
-              "                [-o 1 (buffers of the streamed size, as a collective's; 0: one cache-hot piece)]\n");
-      return 2;
-    }
-  }
-  if (n < 2 || n > 200 || factor < 2 || minb == 0 || piece_bytes == 0) {
-    fprintf(stderr, "tcp-ring: bad arguments\n");
-    return 2;
-  }
-  const int port = 20000 + (int)(getpid() % 20000);
-  /* A pipe per process reports its times to the parent (rank 0 prints). */
-  int report[2];
-  if (pipe(report) != 0) die("pipe");
-  int rank = 0;
-  for (int r = 1; r < n; ++r) {
-    pid_t pid = fork();
-    if (pid < 0) die("fork");
-    if (pid == 0) {
-      rank = r;
-      break;
-    }
-  }
-  /* Listen on 127.0.0.(2+rank), connect to the right, accept from the left. */
-  int ls = socket(AF_INET, SOCK_STREAM, 0);
-  int one = 1;
-  setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)(port + rank))};
-  a.sin_addr.s_addr = htonl(0x7f000002u + (uint32_t)rank);
-  if (bind(ls, (struct sockaddr*)&a, sizeof a) != 0) die("bind");
-  if (listen(ls, 4) != 0) die("listen");
-  const int right = (rank + 1) % n;
-  struct sockaddr_in b = {.sin_family = AF_INET, .sin_port = htons((uint16_t)(port + right))};
-  b.sin_addr.s_addr = htonl(0x7f000002u + (uint32_t)right);
-  int out = socket(AF_INET, SOCK_STREAM, 0);
-  for (int tries = 0;; ++tries) {
-    if (connect(out, (struct sockaddr*)&b, sizeof b) == 0) break;
-    if (tries > 500) die("connect");
-    close(out);
-    out = socket(AF_INET, SOCK_STREAM, 0);
-    usleep(10000);
-  }
-  setsockopt(out, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  int in = accept(ls, NULL, NULL);
-  if (in < 0) die("accept");
+  static const char kUsage[] =
+      "                [-p PIECE (bytes per send/recv call, 1M)] [-s SOCKBUF (SO_SNDBUF/SO_RCVBUF, kernel default)]\n"
+      "                [-o 1 (buffers of the streamed size, as a collective's; 0: one cache-hot piece)]\n";
+  Sweep sw = {.n = 4, .iters = 10, .warmup = 3, .minb = 1 << 20, .maxb = 64 << 20, .factor = 2, .piece = 1 << 20};
+  if (!sweep_parse(&sw, argc, argv, ring_option, "tcp-ring", kUsage, 1)) return 2;
+  const Ring g = ring_start(sw.n, 1);
+  const int n = sw.n, iters = sw.iters, warmup = sw.warmup, rank = g.rank, out = g.out, in = g.in;
+  const uint64_t minb = sw.minb, maxb = sw.maxb, factor = sw.factor, piece_bytes = sw.piece;
   if (sockbuf != 0) {
     const int b = (int)sockbuf;
     setsockopt(out, SOL_SOCKET, SO_SNDBUF, &b, sizeof b);
@@ -160,23 +89,17 @@ int main(int argc, char** argv) {
   for (uint64_t s = minb; s <= maxb; s *= factor) {
     const uint64_t bytes = 2 * (uint64_t)(n - 1) * (s / (uint64_t)n);
     for (int i = 0; i < warmup; ++i) stream(out, in, bytes, sbuf, rbuf, piece);
-    /* A token around the ring lines the processes up before timing. */
-    char tok = 1;
-    if (rank == 0) {
-      if (send(out, &tok, 1, 0) != 1 || recv(in, &tok, 1, MSG_WAITALL) != 1) die("sync");
-    } else {
-      if (recv(in, &tok, 1, MSG_WAITALL) != 1 || send(out, &tok, 1, 0) != 1) die("sync");
-    }
+    ring_sync(&g); /* lines the processes up before timing */
     const double t0 = now();
     for (int i = 0; i < iters; ++i) stream(out, in, bytes, sbuf, rbuf, piece);
     const double us = (now() - t0) * 1e6 / iters;
     double worst = us;
     if (rank != 0) {
-      if (write(report[1], &us, sizeof us) != sizeof us) die("report");
+      if (write(g.report[1], &us, sizeof us) != sizeof us) die("report");
     } else {
       for (int r = 1; r < n; ++r) {
         double t;
-        if (read(report[0], &t, sizeof t) != sizeof t) die("report");
+        if (read(g.report[0], &t, sizeof t) != sizeof t) die("report");
         if (t > worst) worst = t;
       }
       printf("  %12llu %12llu %10.1f %10.2f\n", (unsigned long long)s, (unsigned long long)bytes,
