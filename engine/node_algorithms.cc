@@ -247,8 +247,11 @@ class Algorithms {
   /// and every step reduces it with what came into `buf`: out of place with
   /// one rank on the node, no pass copies the input into `buf` first (that
   /// copy was a whole extra read and write of the buffer).
+  /// With `own_out`, the last step reduces this node's own segment there
+  /// (its bytes in segment order) instead of into `buf`.
   void ring_reduce_scatter(std::byte* buf, const std::vector<Segment>& segs, DType dtype,
-                           RedOp op, std::uint64_t phase, const std::byte* in = nullptr) {
+                           RedOp op, std::uint64_t phase, const std::byte* in = nullptr,
+                           std::byte* own_out = nullptr) {
     if (n_ == 1) return;
     const int right = mod(i_ + 1), left = mod(i_ - 1);
     send_segment(right, in != nullptr ? const_cast<std::byte*>(in) : buf, segs[mod(i_ - 1)], phase, 0);
@@ -259,15 +262,17 @@ class Algorithms {
         const auto [from, to] = chunk_span(total, c);
         NodePayload m = ch_.recv(left, tag_of(base_, phase, s, c));
         expect_size(m, to - from, left);
+        const bool last = s + 2 == n_;  // the last step reduces this node's own segment
         for_pieces(buf, seg, from, to, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
-          if (in != nullptr && len != 0) {
+          std::byte* dst = last && own_out != nullptr ? own_out + from + off : p;
+          if (len != 0 && (in != nullptr || dst != p)) {
             // reduce2's order: what came in, then this node's value.
-            const void* srcs[2] = {m.data() + off, in + (p - buf)};
-            reduce(dtype, op, p, srcs, 2, len / dtype_size(dtype), 1);
+            const void* srcs[2] = {m.data() + off, in != nullptr ? in + (p - buf) : p};
+            reduce(dtype, op, dst, srcs, 2, len / dtype_size(dtype), 1);
           } else {
             reduce2(dtype, op, p, m.data() + off, len);
           }
-          if (s + 2 == n_) final(p, len);  // the last step reduces this node's own segment
+          if (last) final(dst, len);
         });
         if (s + 2 < n_) {
           const auto pieces = pieces_of(buf, seg, from, to);
@@ -855,11 +860,12 @@ bool use_pairwise(int nodes, const NodeAlgorithmOptions& o) {
   return nodes <= o.pairwise_max_nodes;
 }
 
-/// An all-reduce of at least this many bytes per rank on at least
-/// kRingAllReduceMinNodes nodes takes the ring where pairwise_max_nodes
-/// would allow pairwise (auto only).
-constexpr std::uint64_t kRingAllReduceMinBytes = std::uint64_t{8} << 20;
-constexpr int kRingAllReduceMinNodes = 4;
+/// An all-reduce or reduce-scatter of at least this many bytes per rank (the
+/// all-reduce's buffer, the reduce-scatter's output) on at least
+/// kRingMinNodes nodes takes the ring where pairwise_max_nodes would allow
+/// pairwise (auto only).
+constexpr std::uint64_t kRingMinBytes = std::uint64_t{8} << 20;
+constexpr int kRingMinNodes = 4;
 
 /// An all-reduce above the direct size: pairwise (one step of reduce-scatter,
 /// one of all-gather) or the ring. The ring's steps forward what was just
@@ -872,7 +878,7 @@ constexpr int kRingAllReduceMinNodes = 4;
 /// MiB, so 3 nodes keep pairwise.
 bool all_reduce_pairwise(std::uint64_t bytes, int nodes, const NodeAlgorithmOptions& o) {
   if (!use_pairwise(nodes, o)) return false;
-  return !(o.algorithm == "auto" && nodes >= kRingAllReduceMinNodes && bytes >= kRingAllReduceMinBytes);
+  return !(o.algorithm == "auto" && nodes >= kRingMinNodes && bytes >= kRingMinBytes);
 }
 
 /// Up to this many bytes per rank (and direct_max_bytes), a reduce-scatter
@@ -885,10 +891,19 @@ constexpr std::uint64_t kPairwiseScatterMaxBytes = std::uint64_t{16} << 10;
 /// x 1 rank, paired rounds of 50-200 operations, A/A 0.94-1.07), pairwise
 /// against the ring: 8 B-8 KiB per rank 1.06-1.26x faster; 32-256 KiB per
 /// rank 0.91-0.99x (N-1 senders at once on each receiver).
+///
+/// From kRingMinBytes per rank on kRingMinNodes nodes it takes the ring, as
+/// the all-reduce does (all_reduce_pairwise): with one rank on the node the
+/// ring reduces the input where it is and the last step straight into the
+/// output. Measured as there (4 daemons, 8 paired rounds, A/A 0.97-1.01):
+/// the ring 0.98x of pairwise at 2 MiB per rank, 1.02x at 4, 1.06x at 8 and
+/// 16; at 256 KiB per rank 0.79x.
 bool scatter_pairwise(std::uint64_t bytes, int nodes, const NodeAlgorithmOptions& o) {
-  return use_pairwise(nodes, o) ||
-         (o.algorithm == "auto" &&
-          bytes <= std::min<std::uint64_t>(o.direct_max_bytes, kPairwiseScatterMaxBytes));
+  const bool small =
+      o.algorithm == "auto" && bytes <= std::min<std::uint64_t>(o.direct_max_bytes, kPairwiseScatterMaxBytes);
+  if (small) return true;
+  if (!use_pairwise(nodes, o)) return false;
+  return !(o.algorithm == "auto" && nodes >= kRingMinNodes && bytes >= kRingMinBytes);
 }
 
 /// The log-depth algorithms for small operations (up to direct_max_bytes):
@@ -1283,9 +1298,13 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
         algo.pairwise_reduce_scatter(t, rank_segments(op.node_of_rank, one, n), op.dtype,
                                      combine, 1);
       } else if (L.size() == 1 && n > 1) {
-        // One rank: its input is reduced where it is (no copy into `t` first).
+        // One rank: its input is reduced where it is (no copy into `t`
+        // first), and its segment straight into its output (no copy after).
+        algo.tell_final(tell);
         algo.ring_reduce_scatter(t, rank_segments(op.node_of_rank, one, n), op.dtype, combine, 1,
-                                 L[0].send);
+                                 L[0].send, L[0].recv);
+        finish_avg(L[0].recv, one);
+        return;
       } else {
         local_reduce(t, total);
         algo.ring_reduce_scatter(t, rank_segments(op.node_of_rank, one, n), op.dtype,

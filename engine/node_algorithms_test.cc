@@ -375,14 +375,13 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
     }
     const int root_node = node_of_rank[c.root];
     const std::string algorithm = node_algorithm(c.kind, one, nodes, o);
-    const bool ring_scatter = c.kind == OpKind::reduce_scatter && algorithm == "ring";
     // Told as a whole or not at all: not told.
     const bool direct_reduce = c.kind == OpKind::all_reduce &&
                                (algorithm == "direct" || algorithm == "recursive_doubling");
     const bool sends_only = (c.kind == OpKind::broadcast && root_node == j) ||
                             (c.kind == OpKind::reduce && root_node != j);
-    if (c.kind == OpKind::all_to_all || c.kind == OpKind::barrier || ring_scatter ||
-        direct_reduce || sends_only || one == 0) {
+    if (c.kind == OpKind::all_to_all || c.kind == OpKind::barrier || direct_reduce || sends_only ||
+        one == 0) {
       CHECK(sum == 0);
     } else {
       CHECK(sum == b.recv_bytes);
@@ -472,17 +471,22 @@ TEST_CASE("node algorithms match the reference for every layout, size and operat
   }
 }
 
-TEST_CASE("an all-reduce of 8 MiB per rank on 4 nodes: the ring, its input reduced where it is") {
+TEST_CASE("an all-reduce or reduce-scatter of 8 MiB per rank on 4 nodes: the ring, its input reduced "
+          "where it is") {
   // The default options: the size, not a lowered threshold, picks the ring.
   NodeAlgorithmOptions o;
   REQUIRE(node_algorithm(OpKind::all_reduce, 8 << 20, 4, o) == "ring");
+  REQUIRE(node_algorithm(OpKind::reduce_scatter, 8 << 20, 4, o) == "ring");
   const std::uint64_t count = (8 << 20) / 4;
-  for (const auto& layout : std::vector<std::vector<int>>{{0, 1, 2, 3}, {3, 2, 1, 0, 0}}) {
-    for (bool in_place : {false, true}) {
-      for (RedOp op : {RedOp::sum, RedOp::avg}) {
-        CAPTURE(layout.size());
-        CAPTURE(in_place);
-        run(layout, Case{OpKind::all_reduce, op, count, in_place, 0}, o);
+  for (OpKind kind : {OpKind::all_reduce, OpKind::reduce_scatter}) {
+    for (const auto& layout : std::vector<std::vector<int>>{{0, 1, 2, 3}, {3, 2, 1, 0, 0}}) {
+      for (bool in_place : {false, true}) {
+        for (RedOp op : {RedOp::sum, RedOp::avg}) {
+          CAPTURE(kind);
+          CAPTURE(layout.size());
+          CAPTURE(in_place);
+          run(layout, Case{kind, op, count, in_place, 0}, o);
+        }
       }
     }
   }
@@ -682,6 +686,10 @@ TEST_CASE("the algorithm choice follows the size and the profile's override") {
   CHECK(node_algorithm(OpKind::all_reduce, (8 << 20) - 4, 4, o) == "pairwise");
   CHECK(node_algorithm(OpKind::all_reduce, 64 << 20, 3, o) == "pairwise");
   CHECK(node_algorithm(OpKind::all_reduce, 64 << 20, 2, o) == "pairwise");
+  // Reduce-scatter (bytes of each rank's output): the same rule.
+  CHECK(node_algorithm(OpKind::reduce_scatter, 8 << 20, 4, o) == "ring");
+  CHECK(node_algorithm(OpKind::reduce_scatter, (8 << 20) - 4, 4, o) == "pairwise");
+  CHECK(node_algorithm(OpKind::reduce_scatter, 64 << 20, 3, o) == "pairwise");
   CHECK(node_algorithm(OpKind::reduce_scatter, 8, 4, o) == "pairwise");
   CHECK(node_algorithm(OpKind::reduce_scatter, 16 << 10, 64, o) == "pairwise");  // small: one round
   CHECK(node_algorithm(OpKind::reduce_scatter, (16 << 10) + 1, 5, o) == "ring");
@@ -721,6 +729,7 @@ TEST_CASE("the algorithm choice follows the size and the profile's override") {
   o.algorithm = "pairwise";
   CHECK(node_algorithm(OpKind::all_reduce, 8, 8, o) == "pairwise");
   CHECK(node_algorithm(OpKind::all_reduce, 64 << 20, 4, o) == "pairwise");
+  CHECK(node_algorithm(OpKind::reduce_scatter, 64 << 20, 4, o) == "pairwise");
   CHECK(node_algorithm(OpKind::all_gather, 64 << 20, 4, o) == "pairwise");
 }
 
