@@ -263,8 +263,9 @@ class Algorithms {
         NodePayload m = ch_.recv(left, tag_of(base_, phase, s, c));
         expect_size(m, to - from, left);
         const bool last = s + 2 == n_;  // the last step reduces this node's own segment
+        const std::uint64_t at = from;  // a copy: clang before 16 does not capture structured bindings
         for_pieces(buf, seg, from, to, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
-          std::byte* dst = last && own_out != nullptr ? own_out + from + off : p;
+          std::byte* dst = last && own_out != nullptr ? own_out + at + off : p;
           if (len != 0 && (in != nullptr || dst != p)) {
             // reduce2's order: what came in, then this node's value.
             const void* srcs[2] = {m.data() + off, in != nullptr ? in + (p - buf) : p};
