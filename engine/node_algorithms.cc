@@ -266,12 +266,10 @@ class Algorithms {
         const std::uint64_t at = from;  // a copy: clang before 16 does not capture structured bindings
         for_pieces(buf, seg, from, to, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
           std::byte* dst = last && own_out != nullptr ? own_out + at + off : p;
-          if (len != 0 && (in != nullptr || dst != p)) {
+          if (len != 0) {
             // reduce2's order: what came in, then this node's value.
             const void* srcs[2] = {m.data() + off, in != nullptr ? in + (p - buf) : p};
             reduce(dtype, op, dst, srcs, 2, len / dtype_size(dtype), 1);
-          } else {
-            reduce2(dtype, op, p, m.data() + off, len);
           }
           if (last) final(dst, len);
         });
@@ -868,8 +866,9 @@ bool use_pairwise(int nodes, const NodeAlgorithmOptions& o) {
 constexpr std::uint64_t kRingMinBytes = std::uint64_t{8} << 20;
 constexpr int kRingMinNodes = 4;
 
-/// An all-reduce above the direct size: pairwise (one step of reduce-scatter,
-/// one of all-gather) or the ring. The ring's steps forward what was just
+/// An all-reduce above the direct size (a reduce-scatter above its small
+/// sizes, scatter_pairwise): pairwise (one step of reduce-scatter, one of
+/// all-gather) or the ring. The ring's steps forward what was just
 /// reduced, still in cache, where pairwise sends every segment of the input
 /// and of the result from memory; with one rank on the node it also reduces
 /// the input where it is (ring_reduce_scatter). Measured on 2 cores, 4
@@ -877,9 +876,9 @@ constexpr int kRingMinNodes = 4;
 /// faster than pairwise at 8-64 MiB, 0.96-1.00x at 512 KiB-4 MiB, 0.81x at
 /// 2 MiB (each step one chunk: no pipelining); on 3 nodes 0.95-1.04x at 1-64
 /// MiB, so 3 nodes keep pairwise.
-bool all_reduce_pairwise(std::uint64_t bytes, int nodes, const NodeAlgorithmOptions& o) {
-  if (!use_pairwise(nodes, o)) return false;
-  return !(o.algorithm == "auto" && nodes >= kRingMinNodes && bytes >= kRingMinBytes);
+bool large_pairwise(std::uint64_t bytes, int nodes, const NodeAlgorithmOptions& o) {
+  return use_pairwise(nodes, o) &&
+         !(o.algorithm == "auto" && nodes >= kRingMinNodes && bytes >= kRingMinBytes);
 }
 
 /// Up to this many bytes per rank (and direct_max_bytes), a reduce-scatter
@@ -894,7 +893,7 @@ constexpr std::uint64_t kPairwiseScatterMaxBytes = std::uint64_t{16} << 10;
 /// rank 0.91-0.99x (N-1 senders at once on each receiver).
 ///
 /// From kRingMinBytes per rank on kRingMinNodes nodes it takes the ring, as
-/// the all-reduce does (all_reduce_pairwise): with one rank on the node the
+/// the all-reduce does (large_pairwise): with one rank on the node the
 /// ring reduces the input where it is and the last step straight into the
 /// output. Measured as there (4 daemons, 8 paired rounds, A/A 0.97-1.01):
 /// the ring 0.98x of pairwise at 2 MiB per rank, 1.02x at 4, 1.06x at 8 and
@@ -902,9 +901,7 @@ constexpr std::uint64_t kPairwiseScatterMaxBytes = std::uint64_t{16} << 10;
 bool scatter_pairwise(std::uint64_t bytes, int nodes, const NodeAlgorithmOptions& o) {
   const bool small =
       o.algorithm == "auto" && bytes <= std::min<std::uint64_t>(o.direct_max_bytes, kPairwiseScatterMaxBytes);
-  if (small) return true;
-  if (!use_pairwise(nodes, o)) return false;
-  return !(o.algorithm == "auto" && nodes >= kRingMinNodes && bytes >= kRingMinBytes);
+  return small || large_pairwise(bytes, nodes, o);
 }
 
 /// The log-depth algorithms for small operations (up to direct_max_bytes):
@@ -972,7 +969,8 @@ bool reads_input_in_pieces(OpKind kind, std::uint64_t bytes, int nranks, int loc
                            const NodeAlgorithmOptions& options) {
   if (local_ranks != 1 || nodes < 2 || bytes == 0) return false;
   switch (kind) {
-    case OpKind::all_reduce: return use_direct(bytes, options) || all_reduce_pairwise(bytes, nodes, options);
+    case OpKind::all_reduce:
+      return use_direct(bytes, options) || large_pairwise(bytes, nodes, options);
     case OpKind::all_gather:
       return all_gather_kind(bytes * static_cast<std::uint64_t>(nranks), nodes, options) !=
              GatherKind::ring;
@@ -1005,7 +1003,7 @@ NodeAlgorithm choose_node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
     case OpKind::all_reduce:
       if (use_tree(kind, bytes, nodes, options)) return A::recursive_doubling;
       if (use_direct(bytes, options)) return A::direct;
-      return all_reduce_pairwise(bytes, nodes, options) ? A::pairwise : A::ring;
+      return large_pairwise(bytes, nodes, options) ? A::pairwise : A::ring;
     case OpKind::all_gather:
       switch (all_gather_kind(bytes, nodes, options)) {
         case GatherKind::direct: return A::direct;
@@ -1157,11 +1155,11 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
       std::byte* w = L[0].recv;
       const auto segs = even_segments(op.count, es, n);
       // One rank on the node, pairwise: no local pass (see below).
-      const bool pairwise = all_reduce_pairwise(one, n, options);
+      const bool pairwise = large_pairwise(one, n, options);
       const bool one_rank = L.size() == 1 && !use_direct(one, options) && pairwise && segs[me].size() <= 1;
       // One rank, ring: its input is reduced where it is (ring_reduce_scatter).
-      const bool ring_one = L.size() == 1 && n > 1 && !use_tree(op.kind, one, n, options) &&
-                            !use_direct(one, options) && !pairwise;
+      const bool ring_one =
+          L.size() == 1 && choose_node_algorithm(op.kind, one, n, options) == NodeAlgorithm::ring;
       if (!one_rank && !ring_one) {
         // The direct one reads the whole input here, in whatever pieces it
         // arrives (reads_input_in_pieces).
