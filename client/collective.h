@@ -213,6 +213,24 @@ COLLECTIVE_API collective_result_t collective_comm_destroy(collective_comm_t* co
  *  rank, fails with COLLECTIVE_ABORTED naming this rank; then frees it. */
 COLLECTIVE_API collective_result_t collective_comm_abort(collective_comm_t* comm);
 
+/** Sets the deadline of this rank's later operations on `comm` (collectives,
+ *  send/recv groups, and the _stream calls): each fails with
+ *  COLLECTIVE_TIMEOUT, naming the ranks that did not submit it (or the
+ *  unmatched peers of a group), if it has not started timeout_ms after its
+ *  submission, as with the node's deadlines.operation_ms, which it replaces
+ *  for this rank's submissions (longer or shorter). Where ranks differ, an
+ *  operation's deadline is the earliest of its submissions'. Across nodes it
+ *  bounds the whole exchange with the other nodes, as the node's does; on the
+ *  client's kernels (collective_comm_gpu_path) each kernel's wait for a peer.
+ *  0 restores the node's; negative is COLLECTIVE_INVALID_ARGUMENT; values
+ *  are capped at 2^40 ms. Operations already submitted keep theirs. A
+ *  communicator starts at 0, also one made by collective_comm_split. */
+COLLECTIVE_API collective_result_t collective_comm_set_timeout(collective_comm_t* comm,
+                                                               int64_t timeout_ms);
+
+/** The timeout set by collective_comm_set_timeout (0: the node's default). */
+COLLECTIVE_API int64_t collective_comm_timeout(const collective_comm_t* comm);
+
 COLLECTIVE_API int collective_comm_rank(const collective_comm_t* comm);
 COLLECTIVE_API int collective_comm_size(const collective_comm_t* comm);
 
@@ -263,10 +281,11 @@ COLLECTIVE_API collective_result_t collective_recv(collective_comm_t* comm, void
 COLLECTIVE_API collective_result_t collective_group_end(collective_comm_t* comm,
                                                         collective_request_t** request);
 
-/** Waits up to timeout_ms (-1: until the operation's own deadline) for the
- *  request. Returns the operation's result, or COLLECTIVE_TIMEOUT if this wait
- *  ran out (the request stays valid). Errors name the communicator, the rank
- *  and the operation. */
+/** Waits up to timeout_ms (-1: until the operation's own deadline, the
+ *  communicator's timeout it was submitted with or else the node's, plus a
+ *  margin) for the request. Returns the operation's result, or
+ *  COLLECTIVE_TIMEOUT if this wait ran out (the request stays valid). Errors
+ *  name the communicator, the rank and the operation. */
 COLLECTIVE_API collective_result_t collective_wait(collective_request_t* request, int timeout_ms);
 
 /** Non-blocking: *done = 1 and the operation's result once complete. */

@@ -1,6 +1,8 @@
 // libcollective's C API for communicators and collectives.
 #include <sys/random.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -43,6 +45,9 @@ struct collective_comm {
   int node = 0;
   int next_node_first_rank = 0;
   std::string name;
+  /// collective_comm_set_timeout: the deadline (ms) later operations carry;
+  /// 0: the node's deadlines.operation_ms.
+  std::atomic<std::int64_t> timeout_ms{0};
   std::mutex group_mutex;
   bool in_group = false;
   struct Item {
@@ -67,6 +72,9 @@ struct collective_request {
   Connection* conn = nullptr;
   std::uint64_t id = 0;
   std::string what;  // "all_reduce on communicator ab12cd34 (rank 1 of 4)"
+  /// The operation's own deadline (collective_comm_set_timeout when it was
+  /// submitted); 0: the node's. collective_wait(-1) waits for it.
+  std::chrono::milliseconds deadline{0};
   bool done = false;
   collective_result_t result = COLLECTIVE_OK;
   std::string message;
@@ -76,12 +84,18 @@ struct collective_request {
 
 namespace {
 
-collective_request_t* new_request(collective_comm_t* comm, std::uint64_t id, std::string what) {
+// Above this a time point would overflow the clock; it is ~35 years.
+constexpr std::int64_t kMaxTimeoutMs = std::int64_t{1} << 40;
+
+/// `deadline`: the timeout the operation was submitted with (0: the node's).
+collective_request_t* new_request(collective_comm_t* comm, std::uint64_t id, std::string what,
+                                  std::int64_t deadline) {
   auto* r = new collective_request;
   r->comm = comm;
   r->conn = comm->client->conn.get();
   r->id = id;
   r->what = std::move(what);
+  r->deadline = std::chrono::milliseconds(deadline);
   return r;
 }
 
@@ -171,6 +185,8 @@ collective_result_t submit(collective_comm_t* comm, wire::OpKind kind, const voi
     c.setRedop(static_cast<std::uint8_t>(redop));
     c.setCount(count);
     c.setRoot(root);
+    const std::int64_t deadline = comm->timeout_ms.load(std::memory_order_relaxed);
+    c.setDeadlineMs(static_cast<std::uint64_t>(deadline));
     on_comm(*comm, [&] {
       if (gpu != nullptr) {
         gpu->fill(c, send, send_bytes, recv, recv_bytes);
@@ -192,7 +208,7 @@ collective_result_t submit(collective_comm_t* comm, wire::OpKind kind, const voi
       conn.abandon(id);  // fire and forget (stream-ordered): the reply is dropped
       return;
     }
-    *request = new_request(comm, id, std::string(name) + " on " + comm->where());
+    *request = new_request(comm, id, std::string(name) + " on " + comm->where(), deadline);
     if (gpu != nullptr) (*request)->on_failure = gpu->on_failure();
   });
 }
@@ -242,6 +258,8 @@ collective_result_t submit_gpu_group(collective_comm_t* comm, collective_request
     capnp::MallocMessageBuilder b;
     auto g = b.initRoot<wire::Message>().initP2pGroup();
     g.setComm(comm->handle);
+    const std::int64_t deadline = comm->timeout_ms.load(std::memory_order_relaxed);
+    g.setDeadlineMs(static_cast<std::uint64_t>(deadline));
     auto list = g.initItems(static_cast<unsigned>(items.size()));
     std::vector<std::pair<const void*, std::uint64_t>> bufs;
     for (unsigned i = 0; i < items.size(); ++i) {
@@ -259,7 +277,7 @@ collective_result_t submit_gpu_group(collective_comm_t* comm, collective_request
       conn.abandon(id);
       return;
     }
-    *request = new_request(comm, id, "send/recv group on " + comm->where());
+    *request = new_request(comm, id, "send/recv group on " + comm->where(), deadline);
     (*request)->on_failure = gpu->on_failure();
   });
 }
@@ -275,7 +293,8 @@ CommGpu::~CommGpu() = default;
 
 collective_request_t* new_local_request(collective_comm_t* comm, std::string what,
                                         std::unique_ptr<LocalCompletion> done) {
-  auto* r = new_request(comm, 0, std::move(what));
+  auto* r =
+      new_request(comm, 0, std::move(what), comm->timeout_ms.load(std::memory_order_relaxed));
   r->local = std::move(done);
   r->done = r->local == nullptr;  // nothing to run (count 0): complete now
   return r;
@@ -451,6 +470,23 @@ collective_result_t collective_comm_abort(collective_comm_t* comm) {
   });
 }
 
+collective_result_t collective_comm_set_timeout(collective_comm_t* comm, int64_t timeout_ms) {
+  if (comm == nullptr) {
+    return fail(Code::invalid_argument, "collective_comm_set_timeout: comm is NULL");
+  }
+  if (timeout_ms < 0) {
+    return fail(Code::invalid_argument, "collective_comm_set_timeout on " + comm->where() +
+                                            ": timeout " + std::to_string(timeout_ms) +
+                                            " ms is negative (0 restores the node's)");
+  }
+  comm->timeout_ms.store(std::min(timeout_ms, kMaxTimeoutMs), std::memory_order_relaxed);
+  return COLLECTIVE_OK;
+}
+
+int64_t collective_comm_timeout(const collective_comm_t* comm) {
+  return comm ? comm->timeout_ms.load(std::memory_order_relaxed) : 0;
+}
+
 int collective_comm_rank(const collective_comm_t* comm) { return comm ? comm->rank : -1; }
 int collective_comm_size(const collective_comm_t* comm) { return comm ? comm->nranks : -1; }
 
@@ -596,6 +632,8 @@ collective_result_t collective_group_end(collective_comm_t* comm, collective_req
     capnp::MallocMessageBuilder b;
     auto g = b.initRoot<wire::Message>().initP2pGroup();
     g.setComm(comm->handle);
+    const std::int64_t deadline = comm->timeout_ms.load(std::memory_order_relaxed);
+    g.setDeadlineMs(static_cast<std::uint64_t>(deadline));
     auto list = g.initItems(static_cast<unsigned>(items.size()));
     for (unsigned i = 0; i < items.size(); ++i) {
       list[i].setIsSend(items[i].is_send);
@@ -607,17 +645,18 @@ collective_result_t collective_group_end(collective_comm_t* comm, collective_req
     }
     Connection& conn = *comm->client->conn;
     const std::uint64_t id = conn.send_request(b, {}, Clock::now() + kControlTimeout);
-    *request = new_request(comm, id, "send/recv group on " + comm->where());
+    *request = new_request(comm, id, "send/recv group on " + comm->where(), deadline);
   });
 }
 
 collective_result_t collective_wait(collective_request_t* r, int timeout_ms) {
   if (r == nullptr) return fail(Code::invalid_argument, "collective_wait: request is NULL");
   if (!r->done) {
-    const auto limit = timeout_ms < 0
-                           ? r->conn->operation_deadline() +
-                                 std::chrono::milliseconds(kDeadlineMargin)
-                           : std::chrono::milliseconds(timeout_ms);
+    // -1: the deadline the operation was submitted with, which the daemon
+    // answers by (collective_comm_set_timeout's, else the node's).
+    const auto own = r->deadline.count() > 0 ? r->deadline : r->conn->operation_deadline();
+    const auto limit = timeout_ms < 0 ? own + std::chrono::milliseconds(kDeadlineMargin)
+                                      : std::chrono::milliseconds(timeout_ms);
     if (r->local) return wait_local(r, limit);
     try {
       auto reply = r->conn->wait_reply(r->id, Clock::now() + limit);

@@ -137,7 +137,12 @@ struct DirectComm::Shared {
   std::vector<cu::Event> free_events;    // completions' events, reused
   std::vector<std::string> peers;        // "rank 1 (pid 123, GPU-..)"
   std::string where;                     // "communicator x (rank 0 of 2)"
-  std::chrono::milliseconds timeout{30000};
+  std::chrono::milliseconds timeout{30000};  // the node's deadlines.operation_ms
+  /// collective_comm_set_timeout's values as run() met them: (first seq, ms;
+  /// 0: the node's), appended when it changes, so that an error names the
+  /// timeout its operation ran under.
+  mutable std::mutex own_mu;
+  std::vector<std::pair<std::uint64_t, std::int64_t>> own{{0, 0}};
 
   ~Shared() {
     try {
@@ -181,11 +186,23 @@ struct DirectComm::Shared {
     const unsigned long long e = *error;
     if (e == 0 || (e >> 8) > seq) return {};
     const auto peer = static_cast<std::size_t>(e & 0xff) - 1;
+    std::int64_t ms = 0;
+    {
+      std::lock_guard lock(own_mu);
+      for (const auto& [from, t] : own) {
+        if (from <= (e >> 8)) ms = t;
+      }
+    }
+    const std::string node = std::to_string(timeout.count());
+    const std::string within =
+        ms > 0 ? std::to_string(ms) +
+                     " ms (the communicator's timeout, collective_comm_set_timeout; "
+                     "deadlines.operation_ms is " + node + ")"
+               : node + " ms (deadlines.operation_ms)";
     return (peer < peers.size() ? peers[peer] : "rank " + std::to_string(peer)) +
-           " did not reach operation " + std::to_string(e >> 8) + " within " +
-           std::to_string(timeout.count()) +
-           " ms (deadlines.operation_ms): its process may have died or stopped calling "
-           "collectives on " + where + ", which is unusable now (destroy it)";
+           " did not reach operation " + std::to_string(e >> 8) + " within " + within +
+           ": its process may have died or stopped calling collectives on " + where +
+           ", which is unusable now (destroy it)";
   }
 };
 
@@ -240,6 +257,7 @@ std::unique_ptr<DirectComm> DirectComm::setup(collective_comm_t* comm,
   const int rank = collective_comm_rank(comm), n = collective_comm_size(comm);
   ScopedContext scope(cu, ctx);
   std::unique_ptr<DirectComm> d(new DirectComm);
+  d->comm_ = comm;
   d->rank_ = rank;
   d->nranks_ = n;
   d->shared_ = std::make_shared<Shared>();
@@ -405,7 +423,15 @@ std::unique_ptr<LocalCompletion> DirectComm::run(direct::Kind kind, const void* 
   }
   a.error = reinterpret_cast<unsigned long long*>(s.error_dev);
   a.seq = ++seq_;
-  a.timeout_ns = static_cast<unsigned long long>(s.timeout.count()) * 1000000ull;
+  // The rank's own timeout (collective_comm_set_timeout) bounds its kernel's
+  // wait for each peer, as the node's deadlines.operation_ms does otherwise.
+  const std::int64_t own = collective_comm_timeout(comm_);
+  {
+    std::lock_guard own_lock(s.own_mu);
+    if (s.own.back().second != own) s.own.emplace_back(a.seq, own);
+  }
+  const std::chrono::milliseconds timeout = own > 0 ? std::chrono::milliseconds(own) : s.timeout;
+  a.timeout_ns = static_cast<unsigned long long>(timeout.count()) * 1000000ull;
   a.count = count;
   a.slot_bytes = slot_bytes_;
   a.two_step_bytes = two_step_bytes_;

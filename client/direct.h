@@ -107,6 +107,7 @@ class DirectComm {
   void check_error_word();
 
   std::shared_ptr<Shared> shared_;
+  collective_comm_t* comm_ = nullptr;  // owns this (CommGpu)
   std::mutex mu_;
   int rank_ = 0, nranks_ = 0;
   std::uint64_t slot_bytes_ = 0;

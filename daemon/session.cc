@@ -323,6 +323,7 @@ void ClientSession::handle_collective(std::uint64_t id, wire::Collective::Reader
   a.root = req.getRoot();
   a.send = {req.getSend().getHandle(), req.getSend().getOffset()};
   a.recv = {req.getRecv().getHandle(), req.getRecv().getOffset()};
+  a.deadline = engine::deadline_from_wire(req.getDeadlineMs());
   // Across nodes, above the profile's gpu.stage_chunk_bytes: cut in chunks
   // (host and GPU ranks alike; daemon/session_gpu.cc).
   if (submit_chunked(id, req, from_worker)) return;
@@ -367,7 +368,8 @@ void ClientSession::handle_p2p(std::uint64_t id, wire::P2PGroup::Reader req, boo
     }
     gpu = gpu_sync(req.getGpu());  // daemon/session_gpu.cc
   }
-  host_.engine().p2p_group(client_ref(from_worker), id, req.getComm(), items, std::move(gpu));
+  host_.engine().p2p_group(client_ref(from_worker), id, req.getComm(), items, std::move(gpu),
+                           engine::deadline_from_wire(req.getDeadlineMs()));
 }
 
 void ClientSession::start() {

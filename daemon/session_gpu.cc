@@ -234,6 +234,7 @@ bool ClientSession::submit_chunked(std::uint64_t id, wire::Collective::Reader re
       a.redop = req.getRedop();
       a.count = std::min(per, count - at);
       a.root = root;
+      a.deadline = engine::deadline_from_wire(req.getDeadlineMs());
       a.send = sa;
       a.recv = ra;
       if (send_bytes != 0) a.send.offset += at * es;
@@ -293,6 +294,7 @@ bool ClientSession::submit_chunked(std::uint64_t id, wire::Collective::Reader re
     a.redop = req.getRedop();
     a.count = ci;
     a.root = root;
+    a.deadline = engine::deadline_from_wire(req.getDeadlineMs());
     // What the engine validates: chunk-sized spans inside the whole buffers
     // (the executor copies the chunk's elements in the whole layout).
     a.send = sa;

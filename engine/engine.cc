@@ -190,7 +190,8 @@ void Engine::collective(const ClientRef& client, std::uint64_t request, std::uin
 }
 
 void Engine::p2p_group(const ClientRef& client, std::uint64_t request, std::uint64_t handle,
-                       const std::vector<P2PArgs>& items, std::shared_ptr<gpu::RankSync> gpu) {
+                       const std::vector<P2PArgs>& items, std::shared_ptr<gpu::RankSync> gpu,
+                       std::chrono::milliseconds deadline) {
   Impl& I = *impl_;
   I.locked([&](std::vector<Delivery>& out, std::vector<std::function<void()>>& tasks) {
     auto [cp, rank_] = I.resolve_or_answer(client, request, handle, "send/recv group", out);
@@ -208,7 +209,8 @@ void Engine::p2p_group(const ClientRef& client, std::uint64_t request, std::uint
     g->request = request;
     g->sink = client.sink;
     g->created = Clock::now();
-    g->deadline = g->created + I.options.operation_deadline;
+    g->deadline = g->created + I.budget(deadline);
+    if (deadline.count() > 0) g->timeout = I.budget(deadline);
     try {
       for (std::size_t i = 0; i < items.size(); ++i) {
         const P2PArgs& a = items[i];
@@ -377,14 +379,14 @@ void Engine::check_deadlines() {
           }
         }
         std::string why;
+        const std::string after = I.deadline_text(slot.timeout, slot.timeout_rank);
         if (!missing.empty()) {
-          why = "timed out after " + std::to_string(I.options.operation_deadline.count()) +
-                " ms (deadlines.operation_ms) on node " + I.options.node_name +
+          why = "timed out after " + after + " on node " + I.options.node_name +
                 ": ranks that did not submit it: " + detail;
         } else {
-          why = "timed out after " + std::to_string(I.options.operation_deadline.count()) +
-                " ms (deadlines.operation_ms): every rank submitted it, but an earlier "
-                "operation of this communicator never finished";
+          why = "timed out after " + after +
+                ": every rank submitted it, but an earlier operation of this communicator "
+                "never finished";
         }
         I.log.warn("operation_timeout",
                    {{"comm", comm.name},
@@ -393,6 +395,7 @@ void Engine::check_deadlines() {
                     {"node", I.options.node_name},
                     {"missing_ranks", rank_list(missing)},
                     {"missing", detail},
+                    {"deadline", after},
                     {"action", missing.empty()
                                    ? "an earlier operation of the communicator never finished"
                                    : "look at what the missing ranks' processes do (py-spy dump "
@@ -422,8 +425,8 @@ void Engine::check_deadlines() {
                      std::to_string(item.peer);
           }
           I.fail_group(comm, *g, Code::timeout,
-                       "timed out after " + std::to_string(I.options.operation_deadline.count()) +
-                           " ms (deadlines.operation_ms): unmatched " + peers,
+                       "timed out after " + I.deadline_text(g->timeout, g->rank) +
+                           ": unmatched " + peers,
                        out);
         }
       }

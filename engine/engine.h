@@ -125,9 +125,11 @@ class Engine {
   /// `gpu` set: a stream-ordered group on GPU buffers (every item's buffer is
   /// a GPU registration): inside the node the executor copies between the
   /// ranks' mappings; across nodes the data goes through pinned host staging.
+  /// `deadline`: as CollectiveArgs::deadline (0: the node's).
   void p2p_group(const ClientRef& client, std::uint64_t request, std::uint64_t comm,
                  const std::vector<P2PArgs>& items,
-                 std::shared_ptr<gpu::RankSync> gpu = nullptr);
+                 std::shared_ptr<gpu::RankSync> gpu = nullptr,
+                 std::chrono::milliseconds deadline = std::chrono::milliseconds(0));
 
   /// A client session ended (disconnect, crash, kill): its ranks are dead.
   void client_gone(std::uint64_t session);

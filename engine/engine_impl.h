@@ -86,7 +86,12 @@ struct Slot {
   int desc_rank = -1;
   std::vector<Part> parts;
   int arrived = 0;  // ranks that submitted this seq (including failed submissions)
+  /// The earliest of its submissions' deadlines (Impl::note_deadline).
   Clock::time_point deadline;
+  /// The client timeout that gave `deadline`, and whose it is (errors name
+  /// them); 0: the node's deadlines.operation_ms.
+  std::chrono::milliseconds timeout{0};
+  int timeout_rank = -1;
   Clock::time_point created;  // first submission (status, metrics)
   bool failed = false;
   Result failure;
@@ -131,6 +136,7 @@ struct Group {
   bool failed = false;
   bool answered = false;
   Clock::time_point deadline;
+  std::chrono::milliseconds timeout{0};  // the rank's own, which gave `deadline` (0: the node's)
   Clock::time_point created;  // submission (status, metrics)
   /// A stream-ordered group on GPU buffers: the client's stream is released
   /// (from the CPU) when the last holder drops it, after every item's GPU work.
@@ -444,6 +450,34 @@ struct Engine::Impl {
     r.message = std::move(message);
     r.seq = seq;
     return r;
+  }
+
+  /// How long an operation may wait to start after a submission: the
+  /// client's own timeout, else the node's. Capped so that now + it cannot
+  /// overflow the clock.
+  std::chrono::milliseconds budget(std::chrono::milliseconds client) const {
+    constexpr std::chrono::milliseconds kMax{std::int64_t{1} << 40};  // ~35 years
+    return client.count() > 0 ? std::min(client, kMax) : options.operation_deadline;
+  }
+
+  /// A submission of `rank` at `now`: the slot's deadline becomes the earliest
+  /// of its submissions' (each rank may have set its own timeout).
+  void note_deadline(Slot& slot, bool fresh, Clock::time_point now,
+                     std::chrono::milliseconds client, int rank) const {
+    const Clock::time_point d = now + budget(client);
+    if (!fresh && d >= slot.deadline) return;
+    slot.deadline = d;
+    slot.timeout = client.count() > 0 ? budget(client) : std::chrono::milliseconds(0);
+    slot.timeout_rank = client.count() > 0 ? rank : -1;
+  }
+
+  /// An expired deadline as errors name it: the node's as it always was,
+  /// "30000 ms (deadlines.operation_ms)"; a client's with whose it is.
+  std::string deadline_text(std::chrono::milliseconds client, int rank) const {
+    const std::string node = std::to_string(options.operation_deadline.count());
+    if (client.count() <= 0) return node + " ms (deadlines.operation_ms)";
+    return std::to_string(client.count()) + " ms (the operation's timeout, set by rank " +
+           std::to_string(rank) + "; deadlines.operation_ms is " + node + ")";
   }
 
   void remove_work(Member& m, const std::function<bool(const Work&)>& pred) {
@@ -1416,12 +1450,13 @@ struct Engine::Impl {
       const std::uint64_t seq = m.next_seq++;
       auto [it, fresh] = comm.slots.try_emplace(seq);
       Slot& slot = it->second;
+      const Clock::time_point now = Clock::now();
       if (fresh) {
         slot.seq = seq;
         slot.parts.resize(comm.nranks);
-        slot.created = Clock::now();
-        slot.deadline = slot.created + options.operation_deadline;
+        slot.created = now;
       }
+      note_deadline(slot, fresh, now, args.deadline, rank);
       slot.arrived += 1;
       if (slot.failed) {
         Result res = slot.failure;

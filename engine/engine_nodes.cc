@@ -136,7 +136,8 @@ class EngineChannel final : public NodeChannel {
  public:
   EngineChannel(Engine::Impl& impl, std::shared_ptr<Comm> comm, std::uint64_t seq, Desc desc,
                 NodePlan plan, std::chrono::microseconds input_poll, int desc_rank,
-                Clock::time_point deadline, std::chrono::milliseconds budget)
+                Clock::time_point deadline, std::string deadline_text,
+                std::chrono::milliseconds budget)
       : I_(impl),
         comm_(std::move(comm)),
         seq_(seq),
@@ -145,6 +146,7 @@ class EngineChannel final : public NodeChannel {
         input_poll_(input_poll),
         desc_rank_(desc_rank),
         deadline_(deadline),
+        deadline_text_(std::move(deadline_text)),
         budget_(budget) {
     sends_->exec = comm_->exec;
   }
@@ -241,8 +243,7 @@ class EngineChannel final : public NodeChannel {
         nodes += (nodes.empty() ? "" : "; ") + std::string("node ") + comm_->node_text(j) +
                  " (hosts " + ranks_text(*comm_, j) + "): " + std::to_string(n) + " message(s)";
       }
-      throw Error(Code::timeout, "timed out after " + std::to_string(budget_.count()) +
-                                     " ms (deadlines.operation_ms) on node " +
+      throw Error(Code::timeout, "timed out after " + deadline_text_ + " on node " +
                                      I_.options.node_name +
                                      " while sending; not taken by the connection to " + nodes +
                                      " (the peer is not reading: stopped, or its connection stalled)");
@@ -353,8 +354,7 @@ class EngineChannel final : public NodeChannel {
       check_ended_locked(-1);
       if (Clock::now() >= deadline_) {
         throw Error(Code::timeout,
-                    "timed out after " + std::to_string(budget_.count()) +
-                        " ms (deadlines.operation_ms) on node " + I_.options.node_name +
+                    "timed out after " + deadline_text_ + " on node " + I_.options.node_name +
                         " waiting for node " + comm_->node_text(from) + ", which hosts " +
                         ranks_text(*comm_, from) +
                         ": they have not all submitted this operation, or an earlier one is "
@@ -517,8 +517,7 @@ class EngineChannel final : public NodeChannel {
       if (in_pieces->reached.load(std::memory_order_acquire) >= need) return;
       const auto now = Clock::now();
       if (now >= deadline_) {
-        throw Error(Code::timeout, "timed out after " + std::to_string(budget_.count()) +
-                                       " ms (deadlines.operation_ms) waiting for " +
+        throw Error(Code::timeout, "timed out after " + deadline_text_ + " waiting for " +
                                        input_of(rank) + " to reach host memory");
       }
       if (!in_pieces->marks.empty() && now - since < input_poll_) {
@@ -549,7 +548,8 @@ class EngineChannel final : public NodeChannel {
   std::chrono::microseconds input_poll_;  // NodeAlgorithmOptions::input_poll
   int desc_rank_;
   Clock::time_point deadline_;
-  std::chrono::milliseconds budget_;
+  std::string deadline_text_;  // how errors name deadline_ (Impl::deadline_text)
+  std::chrono::milliseconds budget_;  // the node's: bounds retract()
   std::shared_ptr<Sends> sends_ = std::make_shared<Sends>();
   std::shared_ptr<const void> keep_;
   std::vector<HostRegion*> regions_;  // of the memory keep_ holds
@@ -1087,6 +1087,7 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
   Desc desc;
   int desc_rank = 0;
   Clock::time_point deadline;
+  std::string expiry;  // how errors name the deadline
   std::vector<Span> keep;  // holds the mappings while the operation runs
   std::vector<std::int32_t> mine;  // split: (rank, color, key) of local ranks
   std::shared_ptr<gpu::GpuStage> stage;  // a staged GPU operation's host staging
@@ -1102,6 +1103,7 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
     desc = slot.desc;
     desc_rank = slot.desc_rank;
     deadline = slot.deadline;
+    expiry = deadline_text(slot.timeout, slot.timeout_rank);
     algorithms = slot.algorithms ? slot.algorithms : this->algorithms;
     plan = slot.plan;
     slot.across_started = Clock::now();
@@ -1126,7 +1128,7 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
     stage = slot.gpu_stage;
   }
   EngineChannel ch(*this, cp, seq, desc, plan, algorithms->input_poll, desc_rank, deadline,
-                   options.operation_deadline);
+                   std::move(expiry), options.operation_deadline);
   // Sends read the ranks' buffers in place; should the operation fail before
   // they are done, their mappings stay until then.
   ch.keep_alive(std::make_shared<const std::vector<Span>>(keep));

@@ -53,7 +53,18 @@ struct CollectiveArgs {
   /// Set for a stream-ordered collective on GPU buffers (engine/gpu/): the
   /// rank's stream hand-off. Both buffers must then be GPU registrations.
   std::shared_ptr<gpu::RankSync> gpu;
+  /// The rank's own timeout (collective_comm_set_timeout): the operation
+  /// fails if not started this long after this submission. 0: the node's
+  /// deadlines.operation_ms.
+  std::chrono::milliseconds deadline{0};
 };
+
+/// CollectiveArgs::deadline from the wire's deadlineMs (unsigned; 0: the
+/// node's), capped where a time point past it would overflow the clock.
+inline std::chrono::milliseconds deadline_from_wire(std::uint64_t ms) {
+  constexpr std::uint64_t kMax = std::uint64_t{1} << 40;  // ~35 years
+  return std::chrono::milliseconds(static_cast<std::int64_t>(ms < kMax ? ms : kMax));
+}
 
 /// One send or receive of a p2p group.
 struct P2PArgs {

@@ -215,6 +215,9 @@ struct Collective {
   send @6 :BufferRef;
   recv @7 :BufferRef;
   gpu @8 :GpuSync;          # set: stream-ordered, on GPU buffers (see GPU section below)
+  deadlineMs @9 :UInt64;    # 0: the node's deadlines.operation_ms; else this rank's own
+                            # (collective_comm_set_timeout): the operation fails with timeout
+                            # if not started this long after this submission
 }
 
 struct P2PItem {
@@ -231,6 +234,7 @@ struct P2PGroup {
   comm @0 :UInt64;
   items @1 :List(P2PItem);
   gpu @2 :GpuSync;          # set: stream-ordered, on GPU buffers (collective_group_end_stream)
+  deadlineMs @3 :UInt64;    # as Collective.deadlineMs
 }
 
 struct Completed {

@@ -72,6 +72,13 @@ client_seeds = {
     + coll(15, 2, "allReduce", 16)
     + msg("(id = 16, commDestroy = (comm = 2))")
     + msg("(id = 17, commAbort = (comm = 1))"),
+    # Client deadlines (collective_comm_set_timeout), one past the daemon's cap.
+    "comm_deadlines": REG(2) + REG(3)
+    + msg(f'(id = 4, commInit = ({SECRET}, rendezvous = "self", nranks = 1, rank = 0))')
+    + msg("(id = 5, collective = (comm = 1, kind = allReduce, dtype = 8, count = 64, "
+          "send = (handle = 1, offset = 0), recv = (handle = 2, offset = 0), deadlineMs = 500))")
+    + msg("(id = 6, collective = (comm = 1, kind = barrier, deadlineMs = 18446744073709551615))")
+    + msg("(id = 7, p2pGroup = (comm = 1, deadlineMs = 1, items = [(isSend = true, peer = 0, buffer = (handle = 1, offset = 0), count = 8, dtype = 8), (isSend = false, peer = 0, buffer = (handle = 2, offset = 0), count = 8, dtype = 8)]))"),
     "comm_two_ranks_missing": msg(f'(id = 2, commInit = ({SECRET}, rendezvous = "self", nranks = 2, rank = 1))'),
     "collective_no_comm": coll(2, 77, "allReduce", 4),
     "peer_ping": msg('(id = 2, peerPing = (address = "127.0.0.1:1"))'),
