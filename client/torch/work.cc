@@ -101,6 +101,9 @@ void Work::cuda_submitted() {
 void Work::complete(const std::string& error, c10d::WorkResult kind) {
   (void)kind;
   std::exception_ptr e;
+  std::string why = error;
+  // libcollective's messages start with the library's name; ours does.
+  if (why.rfind("collectived: ", 0) == 0) why.erase(0, 13);
   if (error.empty()) {
     try {
       if (on_success) on_success();
@@ -111,7 +114,7 @@ void Work::complete(const std::string& error, c10d::WorkResult kind) {
     // DistBackendError: torch.distributed.DistBackendError, a RuntimeError.
     e = std::make_exception_ptr(c10::DistBackendError(
         c10::SourceLocation{__func__, __FILE__, static_cast<std::uint32_t>(__LINE__)},
-        "collectived: " + what_ + " failed: " + error));
+        "collectived: " + what_ + " failed: " + why));
   }
   on_success = nullptr;
   keep_blocks.clear();
