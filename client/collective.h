@@ -302,10 +302,15 @@ COLLECTIVE_API void collective_request_free(collective_request_t* request);
  * expandable segments use; created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
  * among requestedHandleTypes), or cudaMallocAsync memory from a pool created
  * with handleTypes = cudaMemHandleTypePosixFileDescriptor (the default pool
- * cannot be shared: the error says so). The first use of an allocation
- * registers all of it with the daemon (or call collective_gpu_register); a
- * buffer freed and reallocated at the same address is detected by its buffer
- * id and registered again.
+ * cannot be shared: the error says so). A buffer may span several cuMemCreate
+ * allocations mapped back to back on one GPU (expandable segments map chunks
+ * that way); one that runs past the end of mapped memory, or from one
+ * allocation into memory of another kind, is refused saying so. The first use
+ * of an allocation registers all of it with the daemon (or call
+ * collective_gpu_register), and all the allocations a buffer spans together;
+ * a buffer freed and reallocated at the same address, or a chunk under it
+ * unmapped and another mapped in its place, is detected by its buffer ids and
+ * registered again.
  *
  * The _stream calls follow CUDA stream order, like NCCL: the operation runs
  * after the work queued before it on `stream` (a cudaStream_t; NULL: the legacy

@@ -21,6 +21,7 @@
 
 #include "client/client_internal.h"
 #include "client/direct.h"
+#include "client/gpu_extent.h"
 #include "client/staging.h"
 #include "engine/gpu/cuda_driver.h"
 #include "ipc/stage_pieces.h"
@@ -51,7 +52,10 @@ std::string ptr_text(const void* p) {
 struct GpuRegistration {
   std::uint64_t handle = 0;
   std::uint64_t size = 0;
-  std::uint64_t buffer_id = 0;
+  /// The allocations it was made of (one; several for a buffer spanning
+  /// virtual-memory allocations mapped back to back): each is checked for
+  /// staleness by its own buffer id.
+  std::vector<GpuPiece> pieces;
 };
 
 
@@ -234,16 +238,13 @@ void gpu_comm_created(collective_comm_t* comm) noexcept {
 
 namespace {
 
-std::uint64_t attribute_u64(const CudaDriver& cu, int attr, const void* ptr, const char* what) {
-  std::uint64_t v = 0;
-  cu.check(cu.cuPointerGetAttribute(&v, attr, reinterpret_cast<cu::DevicePtr>(ptr)), what);
-  return v;
-}
-
-/// Registers the allocation holding `ptr` (state mutex held by the caller).
+/// Registers the allocation(s) under a buffer at `ptr` (state mutex held by
+/// the caller): one whole allocation, or the virtual-memory allocations it
+/// spans as one registration of several pieces, which the daemon maps back
+/// to back into one range of its own (the frame carries at most
+/// ipc::kMaxFdsPerFrame descriptors: several frames where there are more).
 GpuRegistration& register_allocation(collective_client_t* client, GpuState& s, const void* ptr,
-                                     std::uint64_t base, std::uint64_t size,
-                                     std::uint64_t buffer_id) {
+                                     const GpuExtent& a) {
   const CudaDriver& cu = *s.cu;
   const std::string where = "GPU memory at " + ptr_text(ptr);
   int ordinal = 0;
@@ -257,9 +258,42 @@ GpuRegistration& register_allocation(collective_client_t* client, GpuState& s, c
 
   capnp::MallocMessageBuilder b;
   auto r = b.initRoot<wire::Message>().initRegisterGpu();
-  r.setSize(size);
+  r.setSize(a.size);
   r.setDeviceUuid(capnp::Data::Reader(reinterpret_cast<const capnp::byte*>(uuid.bytes), 16));
-  r.setBufferId(buffer_id);
+  r.setBufferId(a.buffer_id());
+  GpuRegistration reg;
+  reg.size = a.size;
+  reg.pieces = a.pieces;
+  if (a.pieces.size() > 1) {
+    // gpu_extent checked that every piece is virtual memory of this GPU.
+    const auto n = static_cast<std::uint32_t>(a.pieces.size());
+    r.setKind(wire::GpuMemoryKind::POSIX_FD);
+    r.setPieceCount(n);
+    for (std::uint32_t first = 0; first < n; first += ipc::kMaxFdsPerFrame) {
+      const std::uint32_t count = std::min(n - first, ipc::kMaxFdsPerFrame);
+      auto list = r.initPieces(count);
+      std::vector<UniqueFd> owned;
+      std::vector<int> fds;
+      for (std::uint32_t i = 0; i < count; ++i) {
+        const GpuPiece& p = a.pieces[first + i];
+        list[i].setOffset(p.offset);
+        list[i].setSize(p.size);
+        owned.push_back(export_vmm_fd(cu, a.base + p.offset,
+                                      where + " (allocation " + std::to_string(first + i + 1) + " of the " +
+                                          std::to_string(n) + " it spans)"));
+        fds.push_back(owned.back().get());
+      }
+      auto reply = client->conn->call(b, fds, Clock::now() + kControlTimeout);
+      reg.handle = reply->message().getRegistered().getHandle();
+      // Handle 0 until the last piece is in, a handle then.
+      if ((reg.handle == 0) != (first + count < n)) {
+        throw Error(Code::protocol, where + ": the daemon answered " + std::to_string(first + count) +
+                                        " of " + std::to_string(n) + " pieces with handle " +
+                                        std::to_string(reg.handle));
+      }
+    }
+    return s.regs[a.base] = std::move(reg);
+  }
   UniqueFd fd;
   void* pool = nullptr;
   cu.check(cu.cuPointerGetAttribute(&pool, cu::kPointerAttributeMempoolHandle,
@@ -283,40 +317,25 @@ GpuRegistration& register_allocation(collective_client_t* client, GpuState& s, c
     }
     fd.reset(raw);
     cu::MemPoolPtrExportData data{};
-    cu.check(cu.cuMemPoolExportPointer(&data, base), where + ": cuMemPoolExportPointer");
+    cu.check(cu.cuMemPoolExportPointer(&data, a.base), where + ": cuMemPoolExportPointer");
     r.setKind(wire::GpuMemoryKind::POOL_FD);
     r.setHandle(capnp::Data::Reader(data.reserved, sizeof data.reserved));
   } else if (legacy != 0) {
     cu::IpcMemHandle h{};
-    cu.check(cu.cuIpcGetMemHandle(&h, base), where + " (cudaMalloc memory): cuIpcGetMemHandle");
+    cu.check(cu.cuIpcGetMemHandle(&h, a.base), where + " (cudaMalloc memory): cuIpcGetMemHandle");
     r.setKind(wire::GpuMemoryKind::LEGACY_IPC);
     r.setHandle(capnp::Data::Reader(h.data, sizeof h.data));
   } else {
     // Virtual-memory allocation (cuMemCreate): export its physical memory as a
     // POSIX file descriptor, which travels by SCM_RIGHTS.
-    cu::GenericAllocationHandle h = 0;
-    cu.check(cu.cuMemRetainAllocationHandle(&h, reinterpret_cast<void*>(base)),
-             where + " is neither cudaMalloc nor pool memory; cuMemRetainAllocationHandle");
-    int raw = -1;
-    const cu::Result e = cu.cuMemExportToShareableHandle(&raw, h, cu::kMemHandleTypePosixFd, 0);
-    cu.cuMemRelease(h);
-    if (e != cu::kSuccess) {
-      throw Error(Code::invalid_argument,
-                  where + " is a virtual-memory allocation (cuMemCreate) that cannot be exported "
-                          "as a file descriptor (" + cu.error_text(e) + "): create it with "
-                          "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in requestedHandleTypes");
-    }
-    fd.reset(raw);
+    fd = export_vmm_fd(cu, a.base, where);
     r.setKind(wire::GpuMemoryKind::POSIX_FD);
   }
   std::vector<int> fds;
   if (fd) fds.push_back(fd.get());
   auto reply = client->conn->call(b, fds, Clock::now() + kControlTimeout);
-  GpuRegistration reg;
   reg.handle = reply->message().getRegistered().getHandle();
-  reg.size = size;
-  reg.buffer_id = buffer_id;
-  return s.regs[base] = reg;
+  return s.regs[a.base] = std::move(reg);
 }
 
 void deregister_handle(collective_client_t* client, std::uint64_t handle) {
@@ -329,19 +348,15 @@ struct Located {
   std::uint64_t handle = 0, offset = 0, buffer_id = 0;
 };
 
-/// The allocation holding a GPU buffer, as the driver knows it.
-struct Allocation {
-  cu::DevicePtr base = 0;
-  std::size_t size = 0;
-  std::uint64_t buffer_id = 0;
-};
-
-/// Checks that [ptr, ptr+bytes) is GPU memory inside one allocation, and
-/// drops this client's registration at that allocation's base if the memory
-/// there was freed and allocated again since (its buffer id changed): the
-/// daemon would otherwise keep the freed memory mapped. gpu_mutex held.
-Allocation inspect_gpu(collective_client_t* client, GpuState& s, const void* ptr,
-                       std::uint64_t bytes, const char* which) {
+/// Checks that [ptr, ptr+bytes) is GPU memory inside one allocation, or
+/// inside virtual-memory allocations mapped back to back (gpu_extent), and
+/// drops this client's registration at the first one's base if the memory
+/// there is not what it was made of any more (any piece's buffer id changed:
+/// freed and allocated again, or unmapped and another allocation mapped in
+/// its place), or if it is too short for this buffer: the daemon would
+/// otherwise keep the freed memory mapped, or miss the rest. gpu_mutex held.
+GpuExtent inspect_gpu(collective_client_t* client, GpuState& s, const void* ptr,
+                      std::uint64_t bytes, const char* which) {
   const CudaDriver& cu = *s.cu;
   const auto p = reinterpret_cast<cu::DevicePtr>(ptr);
   unsigned type = 0;
@@ -351,16 +366,9 @@ Allocation inspect_gpu(collective_client_t* client, GpuState& s, const void* ptr
                                             " is not GPU memory the CUDA driver knows" +
                                             (tr != cu::kSuccess ? " (" + cu.error_text(tr) + ")" : ""));
   }
-  Allocation a;
-  cu.check(cu.cuMemGetAddressRange(&a.base, &a.size, p), std::string(which) + " buffer: cuMemGetAddressRange");
-  if (p + bytes > a.base + a.size) {
-    throw Error(Code::invalid_argument, std::string(which) + " buffer " + ptr_text(ptr) + " + " +
-                                            std::to_string(bytes) +
-                                            " bytes runs past the end of its allocation");
-  }
-  a.buffer_id = attribute_u64(cu, cu::kPointerAttributeBufferId, ptr, "buffer id");
+  GpuExtent a = gpu_extent(cu, p, bytes, which);
   auto it = s.regs.find(a.base);
-  if (it != s.regs.end() && (it->second.buffer_id != a.buffer_id || it->second.size != a.size)) {
+  if (it != s.regs.end() && !gpu_pieces_current(cu, it->second.pieces, a)) {
     const std::uint64_t stale = it->second.handle;
     s.regs.erase(it);
     try {
@@ -372,16 +380,14 @@ Allocation inspect_gpu(collective_client_t* client, GpuState& s, const void* ptr
   return a;
 }
 
-/// Handle and offset of [ptr, ptr+bytes), registering its allocation first if
-/// needed, and again if the memory there was freed and reallocated.
+/// Handle and offset of [ptr, ptr+bytes), registering its allocation(s)
+/// first if needed, and again if the memory there changed since.
 Located locate_gpu(collective_client_t* client, GpuState& s, const void* ptr, std::uint64_t bytes,
                    const char* which) {
-  const Allocation a = inspect_gpu(client, s, ptr, bytes, which);
+  const GpuExtent a = inspect_gpu(client, s, ptr, bytes, which);
   auto it = s.regs.find(a.base);
-  GpuRegistration& reg = it != s.regs.end()
-                             ? it->second
-                             : register_allocation(client, s, ptr, a.base, a.size, a.buffer_id);
-  return Located{reg.handle, reinterpret_cast<cu::DevicePtr>(ptr) - a.base, a.buffer_id};
+  GpuRegistration& reg = it != s.regs.end() ? it->second : register_allocation(client, s, ptr, a);
+  return Located{reg.handle, reinterpret_cast<cu::DevicePtr>(ptr) - a.base, a.buffer_id()};
 }
 
 /// Two ranks on two nodes: a staged reduce-scatter may keep its own segment
@@ -428,8 +434,21 @@ class StreamSubmit final : public GpuSubmit {
       return;
     }
     Located snd, rcv;
-    if (send_bytes > 0) snd = locate_gpu(client_, s, send, send_bytes, "send");
-    if (recv_bytes > 0) rcv = locate_gpu(client_, s, recv, recv_bytes, "recv");
+    const auto sp = reinterpret_cast<std::uintptr_t>(send), rp = reinterpret_cast<std::uintptr_t>(recv);
+    if (send_bytes > 0 && recv_bytes > 0 && sp < rp + recv_bytes && rp < sp + send_bytes) {
+      // Overlapping (in place): one registration for both, also where they
+      // start in different allocations of a range spanning several (an
+      // in-place all-gather's input in a later chunk than its output): the
+      // daemon knows the in-place layout only within one registration, and
+      // two would be two mappings of the same memory.
+      const std::uintptr_t lo = std::min(sp, rp), hi = std::max(sp + send_bytes, rp + recv_bytes);
+      snd = rcv = locate_gpu(client_, s, reinterpret_cast<const void*>(lo), hi - lo, "send and recv");
+      snd.offset += sp - lo;
+      rcv.offset += rp - lo;
+    } else {
+      if (send_bytes > 0) snd = locate_gpu(client_, s, send, send_bytes, "send");
+      if (recv_bytes > 0) rcv = locate_gpu(client_, s, recv, recv_bytes, "recv");
+    }
     c.getSend().setHandle(snd.handle);
     c.getSend().setOffset(snd.offset);
     c.getRecv().setHandle(rcv.handle);
@@ -933,19 +952,24 @@ collective_result_t collective_gpu_deregister(collective_client_t* client, const
   }
   return guarded("collective_gpu_deregister", [&] {
     auto s = gpu_state(client);
-    std::uint64_t handle = 0;
+    std::vector<std::uint64_t> handles;
     {
       std::lock_guard lock(client->gpu_mutex);
+      // Every registration holding it: registrations of buffers spanning
+      // allocations mapped back to back may overlap (each is made from its
+      // buffer's first allocation on).
       const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
-      auto it = s->regs.upper_bound(addr);
-      if (it == s->regs.begin() || addr >= std::prev(it)->first + std::prev(it)->second.size) {
-        throw Error(Code::not_found, "no registered GPU allocation holds " + ptr_text(ptr));
+      for (auto it = s->regs.begin(); it != s->regs.end() && it->first <= addr;) {
+        if (addr < it->first + it->second.size) {
+          handles.push_back(it->second.handle);
+          it = s->regs.erase(it);
+        } else {
+          ++it;
+        }
       }
-      --it;
-      handle = it->second.handle;
-      s->regs.erase(it);
+      if (handles.empty()) throw Error(Code::not_found, "no registered GPU allocation holds " + ptr_text(ptr));
     }
-    deregister_handle(client, handle);
+    for (std::uint64_t h : handles) deregister_handle(client, h);
   });
 }
 

@@ -78,23 +78,49 @@ void ClientSession::handle_register_gpu(std::uint64_t id, wire::RegisterGpu::Rea
     case wire::GpuMemoryKind::POOL_FD: a.kind = engine::gpu::MemoryKind::pool_fd; break;
     default: throw Error(Code::invalid_argument, "unknown GPU memory kind");
   }
-  const std::size_t want = a.kind == engine::gpu::MemoryKind::legacy_ipc ? 0 : 1;
+  // Several allocations mapped back to back: one descriptor per piece.
+  const auto pieces = req.getPieces();
+  const bool several = a.kind == engine::gpu::MemoryKind::posix_fd && req.getPieceCount() != 0;
+  const std::size_t want = a.kind == engine::gpu::MemoryKind::legacy_ipc ? 0
+                           : several                                     ? pieces.size()
+                                                                         : 1;
+  if (several && want == 0) {
+    throw Error(Code::invalid_argument, "RegisterGpu of " + std::to_string(req.getPieceCount()) +
+                                            " pieces carries none");
+  }
   if (fds.size() != want) {
     throw Error(Code::invalid_argument, "this GPU memory kind takes " + std::to_string(want) +
                                             " descriptors, got " + std::to_string(fds.size()));
   }
-  if (want == 1) a.fd = std::move(fds[0]);
+  if (several) {
+    a.piece_count = req.getPieceCount();
+    for (unsigned i = 0; i < pieces.size(); ++i) {
+      a.pieces.push_back({std::move(fds[i]), pieces[i].getOffset(), pieces[i].getSize()});
+    }
+  } else if (want == 1) {
+    a.fd = std::move(fds[0]);
+  }
   a.handle = data_text(req.getHandle());
   a.size = req.getSize();
   a.device_uuid = data_text(req.getDeviceUuid());
   a.buffer_id = req.getBufferId();
   if (a.size == 0) throw Error(Code::invalid_argument, "GPU allocation of 0 bytes");
   auto memory = host_.gpu().open(id_, std::move(a));
+  if (!memory) {
+    // More pieces to come (RegisterGpu.pieces): answered without a handle.
+    capnp::MallocMessageBuilder b;
+    auto m = b.initRoot<wire::Message>();
+    m.setId(id);
+    m.initRegistered().setHandle(0);
+    send(ipc::encode_frame(b));
+    return;
+  }
   const std::uint64_t handle = host_.registry().add_device(id_, memory);
   host_.logger().debug("gpu_registered", {{"session", id_},
                                           {"handle", handle},
                                           {"bytes", memory->size()},
-                                          {"device", memory->device()}});
+                                          {"device", memory->device()},
+                                          {"pieces", std::max<std::uint32_t>(1, req.getPieceCount())}});
   capnp::MallocMessageBuilder b;
   auto m = b.initRoot<wire::Message>();
   m.setId(id);

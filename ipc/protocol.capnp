@@ -376,6 +376,20 @@ struct RegisterGpu {
   size @2 :UInt64;          # bytes from the allocation's base
   deviceUuid @3 :Data;      # 16 bytes: the GPU (ordinals differ between processes)
   bufferId @4 :UInt64;      # CU_POINTER_ATTRIBUTE_BUFFER_ID in the client at registration
+  # posixFd, a buffer spanning several cuMemCreate allocations mapped back to
+  # back (PyTorch's expandable segments): one registration of them all, sent
+  # in consecutive frames of at most 8 pieces, one fd each, in order (every
+  # frame repeats the fields above; `size` is the whole and `bufferId` the
+  # first piece's). The daemon maps them back to back into one range of its
+  # own and answers Registered with handle 0 until the last piece is in.
+  pieces @5 :List(GpuPiece);
+  pieceCount @6 :UInt32;    # pieces of the whole registration (0: one allocation, one fd)
+}
+
+# One allocation of a registration of several (RegisterGpu.pieces).
+struct GpuPiece {
+  offset @0 :UInt64;        # from the registration's base: the pieces before it, together
+  size @1 :UInt64;          # the allocation's bytes, mapped whole
 }
 
 # Attaches the client's flag page: a memfd (sealed against shrinking) of 32-bit

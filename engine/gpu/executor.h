@@ -33,14 +33,28 @@ enum class MemoryKind : std::uint8_t {
   pool_fd = 2,     ///< cudaMallocAsync from a shareable pool: pool fd + exported pointer
 };
 
+/// One allocation of a posix_fd registration made of several (a buffer
+/// spanning cuMemCreate allocations mapped back to back: PyTorch's
+/// expandable segments).
+struct VmmPiece {
+  UniqueFd fd;
+  std::uint64_t offset = 0;  ///< from the registration's base
+  std::uint64_t size = 0;    ///< the allocation's bytes, mapped whole
+};
+
 /// One RegisterGpu request, as the daemon received it.
 struct GpuRegisterArgs {
   MemoryKind kind = MemoryKind::legacy_ipc;
   std::string handle;       ///< 64 bytes: IPC handle or pool pointer export data
-  std::uint64_t size = 0;   ///< bytes from the allocation's base
+  std::uint64_t size = 0;   ///< bytes from the allocation's base (all pieces')
   std::string device_uuid;  ///< 16 bytes
   std::uint64_t buffer_id = 0;  ///< CU_POINTER_ATTRIBUTE_BUFFER_ID in the client
   UniqueFd fd;              ///< posix_fd / pool_fd
+  /// posix_fd of several allocations: this request's pieces, in order (the
+  /// next ones of the registration), and how many it has in all. 0: one
+  /// allocation, `fd`.
+  std::vector<VmmPiece> pieces;
+  std::uint32_t piece_count = 0;
 };
 
 /// One rank's stream hand-off for one operation (opened IPC event, flag
@@ -278,7 +292,10 @@ class GpuExecutor {
   virtual GpuStatus status() const = 0;
 
   /// Opens (or finds in the cache) a client's allocation. Throws Error naming
-  /// the allocation kind and the reason.
+  /// the allocation kind and the reason. A registration of several pieces
+  /// comes in several requests of the session, one after the other: null
+  /// until its last piece is in (a request that starts another, an error or
+  /// client_gone drops what was mapped of it).
   virtual std::shared_ptr<DeviceMemory> open(std::uint64_t session, GpuRegisterArgs args) = 0;
 
   /// Maps a client's flag page (memfd with F_SEAL_SHRINK): the words its

@@ -27,6 +27,7 @@
 #include "engine/gpu/executor.h"
 #include "engine/gpu/kernels.h"
 #include "engine/gpu/mps.h"
+#include "engine/gpu/vmm_range.h"
 #include "engine/host_mapping.h"
 #include "engine/log.h"
 #include "ipc/stage_pieces.h"
@@ -51,6 +52,9 @@ void check_rt(cudaError_t e, const std::string& what) {
 constexpr int kStreamsPerDevice = 4;
 // An input staged by its client arrives in at most this many pieces.
 constexpr std::uint32_t kMaxClientPieces = 64;
+// Most allocations one registration of cuMemCreate memory spans (RegisterGpu.
+// pieces): 128 GiB of 2 MiB chunks, more than a GPU holds of 20 MiB ones.
+constexpr std::uint32_t kMaxVmmPieces = 65536;
 
 /// Where GPU `dev` addresses the bytes of span `sp` (its registration mapped
 /// on that GPU, peer mappings included); null where the span has no memory.
@@ -179,17 +183,17 @@ class LegacyIpcMapping final : public Mapping {
   std::map<int, std::byte*> opened_;
 };
 
+// cuMemCreate memory: one allocation, or the several a buffer spans, mapped
+// back to back into one range (its owner).
 class VmmMapping final : public Mapping {
  public:
-  explicit VmmMapping(std::shared_ptr<const CudaDriver> cu) : cu_(std::move(cu)) {}
-  ~VmmMapping() override {
-    if (mapped) cu_->cuMemUnmap(reinterpret_cast<cu::DevicePtr>(ptr), size);
-    if (reserved) cu_->cuMemAddressFree(reinterpret_cast<cu::DevicePtr>(ptr), size);
+  explicit VmmMapping(std::shared_ptr<VmmRange> r) : range_(std::move(r)) {
+    ptr = reinterpret_cast<std::byte*>(range_->base());
+    size = range_->size();
   }
-  bool mapped = false, reserved = false;
 
  private:
-  std::shared_ptr<const CudaDriver> cu_;
+  std::shared_ptr<VmmRange> range_;
 };
 
 class PoolMapping final : public Mapping {
@@ -380,6 +384,10 @@ class Sync final : public RankSync {
 struct Session {
   std::shared_ptr<FlagPage> flags;
   std::map<std::uint32_t, std::shared_ptr<OpenedEvent>> events;
+  /// A registration of several cuMemCreate allocations whose pieces are
+  /// still coming (RegisterGpu.pieces, one request after the other).
+  std::shared_ptr<VmmRange> vmm_building;
+  int vmm_device = -1;  // its GPU
 };
 
 struct DeviceState {
@@ -529,10 +537,11 @@ class CudaExecutor final : public GpuExecutor {
     std::shared_ptr<Mapping> m;
     switch (a.kind) {
       case MemoryKind::legacy_ipc: m = open_legacy(a, dev); break;
-      case MemoryKind::posix_fd: m = open_vmm(a, dev); break;
+      case MemoryKind::posix_fd: m = open_vmm(session, a, dev); break;
       case MemoryKind::pool_fd: m = open_pool(a, dev); break;
       default: throw Error(Code::invalid_argument, "unknown GPU memory kind");
     }
+    if (!m) return nullptr;  // more pieces to come
     return std::make_shared<Registered>(std::move(m), a.buffer_id, graveyard_);
   }
 
@@ -676,6 +685,7 @@ class CudaExecutor final : public GpuExecutor {
     if (auto it = sessions_.find(session); it != sessions_.end()) {
       graveyard_->bury(std::move(it->second.flags));
       for (auto& [id, ev] : it->second.events) graveyard_->bury(std::move(ev));
+      graveyard_->bury(std::move(it->second.vmm_building));
       sessions_.erase(it);
     }
     // Operations of this client still queued on the GPUs: their input may
@@ -1489,36 +1499,68 @@ class CudaExecutor final : public GpuExecutor {
     return m;
   }
 
-  std::shared_ptr<Mapping> open_vmm(GpuRegisterArgs& a, int dev) {
-    if (!a.fd) throw Error(Code::invalid_argument, "cuMemCreate memory: no descriptor came with it");
+  /// cuMemCreate memory: one allocation (a.fd), or the next pieces of a
+  /// registration of several that one buffer spans (a.pieces: PyTorch's
+  /// expandable segments), imported and mapped back to back into one range
+  /// of the daemon's (VmmRange). Null while pieces are still to come: the
+  /// range being filled waits in the session.
+  std::shared_ptr<Mapping> open_vmm(std::uint64_t session, GpuRegisterArgs& a, int dev) {
     cudaSetDevice(dev);
-    cu::GenericAllocationHandle h = 0;
-    cu_->check(cu_->cuMemImportFromShareableHandle(
-                   &h, reinterpret_cast<void*>(static_cast<std::intptr_t>(a.fd.get())),
-                   cu::kMemHandleTypePosixFd),
-               "cuMemCreate memory: cuMemImportFromShareableHandle");
-    auto m = std::make_shared<VmmMapping>(cu_);
-    m->device = dev;
-    m->size = a.size;
-    struct Release {
-      const CudaDriver& cu;
-      cu::GenericAllocationHandle h;
-      ~Release() { cu.cuMemRelease(h); }  // the mapping holds the memory from now on
-    } release{*cu_, h};
-    cu::DevicePtr va = 0;
-    cu_->check(cu_->cuMemAddressReserve(&va, a.size, 0, 0, 0), "cuMemCreate memory: cuMemAddressReserve");
-    m->ptr = reinterpret_cast<std::byte*>(va);
-    m->reserved = true;
-    cu_->check(cu_->cuMemMap(va, a.size, 0, h, 0), "cuMemCreate memory: cuMemMap");
-    m->mapped = true;
-    std::vector<cu::MemAccessDesc> access;
+    std::shared_ptr<VmmRange> range;
+    int range_dev = -1;
+    if (a.piece_count == 0) {
+      if (!a.fd) throw Error(Code::invalid_argument, "cuMemCreate memory: no descriptor came with it");
+      range = std::make_shared<VmmRange>(cu_, a.size, 1);
+      range->map(a.fd.get(), 0, a.size);
+    } else {
+      {
+        std::lock_guard lock(mu_);
+        if (auto it = sessions_.find(session); it != sessions_.end()) {
+          range = std::move(it->second.vmm_building);
+          range_dev = it->second.vmm_device;
+        }
+      }
+      if (a.pieces.empty()) {
+        graveyard_->bury(std::move(range));
+        throw Error(Code::invalid_argument, "cuMemCreate memory: a request of several pieces with none");
+      }
+      if (a.pieces.front().offset == 0) {
+        // A new registration (one left unfinished is dropped).
+        graveyard_->bury(std::move(range));
+        if (a.piece_count > kMaxVmmPieces) {
+          throw Error(Code::invalid_argument, "cuMemCreate memory: " + std::to_string(a.piece_count) +
+                                                  " pieces (at most " + std::to_string(kMaxVmmPieces) + ")");
+        }
+        range = std::make_shared<VmmRange>(cu_, a.size, a.piece_count);
+      } else if (!range || range->size() != a.size || range->pieces() != a.piece_count || range_dev != dev) {
+        graveyard_->bury(std::move(range));
+        throw Error(Code::invalid_argument,
+                    "cuMemCreate memory: pieces from offset " + std::to_string(a.pieces.front().offset) +
+                        " continue no registration of this client in progress");
+      }
+      try {
+        for (auto& p : a.pieces) range->map(p.fd.get(), p.offset, p.size);
+      } catch (const Error&) {
+        graveyard_->bury(std::move(range));
+        throw;
+      }
+      if (!range->complete()) {
+        std::lock_guard lock(mu_);
+        Session& s = sessions_[session];
+        s.vmm_building = std::move(range);
+        s.vmm_device = dev;
+        return nullptr;
+      }
+    }
+    std::vector<int> access;
     for (const auto& d : devices_) {
       int can = d.ordinal == dev;
       if (!can) cudaDeviceCanAccessPeer(&can, d.ordinal, dev);
-      if (can) access.push_back({{cu::kMemLocationTypeDevice, d.ordinal}, cu::kMemAccessFlagsProtReadWrite});
+      if (can) access.push_back(d.ordinal);
     }
-    cu_->check(cu_->cuMemSetAccess(va, a.size, access.data(), access.size()),
-               "cuMemCreate memory: cuMemSetAccess");
+    range->set_access(access);
+    auto m = std::make_shared<VmmMapping>(std::move(range));
+    m->device = dev;
     *other_mappings_ += 1;
     m->counter = other_mappings_;
     return m;

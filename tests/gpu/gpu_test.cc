@@ -2,8 +2,9 @@
 // every operation x dtype x reduction on random data, checked bit for bit
 // against the host reduction kernels (engine/reduce.h); 2 ranks on 2 GPUs and
 // 2 ranks sharing one GPU; stream order behind a held-back producer; the
-// allocation kinds (cudaMalloc, cuMemCreate, cudaMallocAsync); buffers freed and
-// reallocated; a rank that dies. Without a GPU the binary exits 77 (skipped),
+// allocation kinds (cudaMalloc, cuMemCreate, cudaMallocAsync); buffers spanning
+// the chunks of PyTorch's expandable segments; buffers freed and reallocated; a
+// rank that dies. Without a GPU the binary exits 77 (skipped),
 // except the "status" case, which runs anywhere: the daemon and the client say
 // "no GPU" by themselves.
 
@@ -163,11 +164,18 @@ const char* kind_name(Kind k) {
   return "?";
 }
 
+/// Where run_case puts its buffers instead of allocating them: `recv` holds
+/// the larger of the input and output (poisoned first), and the input too
+/// in place.
+struct Place {
+  cu::DevicePtr send = 0, recv = 0;
+};
+
 /// Runs one case on this rank: uploads inputs, runs the op (out of place, then
 /// in place where the op has a layout for it), downloads, compares with the
 /// host reference bit for bit. Returns the number of wrong bytes (and names the first).
 long run_case(GpuRank& g, Kind k, engine::DType d, engine::RedOp op, std::size_t count, int root,
-              bool in_place, std::uint64_t salt, std::string& first) {
+              bool in_place, std::uint64_t salt, std::string& first, const Place* place = nullptr) {
   const int n = g.nranks, rank = g.rank;
   const std::size_t es = engine::dtype_size(d);
   const std::size_t one = count * es;
@@ -178,7 +186,7 @@ long run_case(GpuRank& g, Kind k, engine::DType d, engine::RedOp op, std::size_t
   for (int r = 0; r < n; ++r) in[r] = input(d, op, r, send_elems, salt);
   const std::size_t recv_bytes = big_recv ? one * n : one;
   const std::size_t buf = std::max(send_elems * es, recv_bytes);
-  cu::DevicePtr dsend = g.alloc(buf), drecv = g.alloc(buf);
+  cu::DevicePtr dsend = place ? place->send : g.alloc(buf), drecv = place ? place->recv : g.alloc(buf);
   std::vector<std::byte> poison(buf, std::byte{0x5a});
   g.upload(drecv, poison.data(), buf, "poison");
   cu::DevicePtr s = dsend, rcv = drecv;
@@ -215,8 +223,10 @@ long run_case(GpuRank& g, Kind k, engine::DType d, engine::RedOp op, std::size_t
   g.ok(g.cu->cuStreamSynchronize(g.stream), "cuStreamSynchronize");
   std::vector<std::byte> got(recv_bytes);
   g.ok(g.cu->cuMemcpyDtoH(got.data(), rcv, recv_bytes), "download");
-  g.ok(g.cu->cuMemFree(dsend), "free");
-  g.ok(g.cu->cuMemFree(drecv), "free");
+  if (place == nullptr) {
+    g.ok(g.cu->cuMemFree(dsend), "free");
+    g.ok(g.cu->cuMemFree(drecv), "free");
+  }
   // Host reference.
   std::vector<std::byte> want(recv_bytes);
   auto reduce_at = [&](std::size_t elem_offset, std::byte* dst) {
@@ -1482,6 +1492,219 @@ TEST_CASE("gpu: across nodes, cut in chunks: a host-buffer rank and a GPU rank a
   if (!ok) cl.dump_logs();
   CHECK(cl.nodes[0].daemon->log().find("host_chunked") != std::string::npos);
   CHECK(cl.nodes[1].daemon->log().find("gpu_chunked") != std::string::npos);
+}
+
+// ---- PyTorch's expandable segments: buffers spanning cuMemCreate chunks --------
+
+namespace {
+
+/// Memory allocated as PyTorch's expandable segments are
+/// (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): one reserved range
+/// and chunks of the minimum granularity made by cuMemCreate (POSIX fd
+/// handle type), each its own allocation, mapped back to back, access set
+/// per chunk. One chunk more than `chunks` is reserved and left unmapped:
+/// nothing is mapped past the last. Unmapped, released and freed by its
+/// destructor.
+class ExpandableSegment {
+ public:
+  ExpandableSegment(GpuRank& g, int chunks) : g_(g) {
+    g_.ok(g_.cu->cuCtxGetDevice(&ordinal_), "cuCtxGetDevice");
+    const cu::MemAllocationProp p = prop();
+    g_.ok(g_.cu->cuMemGetAllocationGranularity(&chunk, &p, cu::kMemAllocGranularityMinimum), "granularity");
+    handles_.assign(static_cast<std::size_t>(chunks) + 1, 0);
+    g_.ok(g_.cu->cuMemAddressReserve(&va, chunk * handles_.size(), 0, 0, 0), "cuMemAddressReserve");
+    try {
+      for (int i = 0; i < chunks; ++i) map(i);
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+  ~ExpandableSegment() { release(); }
+  ExpandableSegment(const ExpandableSegment&) = delete;
+  ExpandableSegment& operator=(const ExpandableSegment&) = delete;
+
+  /// Chunk `i` unmapped and released, and a new allocation mapped in its
+  /// place (as PyTorch does when a segment shrinks and grows again): the
+  /// same addresses, other memory, a new buffer id.
+  void remap(int i) {
+    unmap(i);
+    map(i);
+  }
+
+  std::size_t chunk = 0;  ///< bytes per chunk
+  cu::DevicePtr va = 0;   ///< the reserved range
+
+ private:
+  cu::MemAllocationProp prop() const {
+    cu::MemAllocationProp p{};
+    p.type = cu::kMemAllocationTypePinned;
+    p.requestedHandleTypes = cu::kMemHandleTypePosixFd;
+    p.location = {cu::kMemLocationTypeDevice, ordinal_};
+    return p;
+  }
+  void map(int i) {
+    auto& h = handles_[static_cast<std::size_t>(i)];
+    const cu::MemAllocationProp p = prop();
+    g_.ok(g_.cu->cuMemCreate(&h, chunk, &p, 0), "cuMemCreate (POSIX fd handle type)");
+    const cu::DevicePtr at = va + static_cast<std::size_t>(i) * chunk;
+    const cu::Result r = g_.cu->cuMemMap(at, chunk, 0, h, 0);
+    if (r != cu::kSuccess) {
+      g_.cu->cuMemRelease(h);
+      h = 0;
+      g_.ok(r, "cuMemMap");
+    }
+    cu::MemAccessDesc acc{{cu::kMemLocationTypeDevice, ordinal_}, cu::kMemAccessFlagsProtReadWrite};
+    g_.ok(g_.cu->cuMemSetAccess(at, chunk, &acc, 1), "cuMemSetAccess");
+  }
+  void unmap(int i) {
+    auto& h = handles_[static_cast<std::size_t>(i)];
+    if (h == 0) return;
+    g_.ok(g_.cu->cuMemUnmap(va + static_cast<std::size_t>(i) * chunk, chunk), "cuMemUnmap");
+    g_.ok(g_.cu->cuMemRelease(h), "cuMemRelease");
+    h = 0;
+  }
+  void release() noexcept {
+    for (std::size_t i = 0; i < handles_.size(); ++i) {
+      if (handles_[i] == 0) continue;
+      g_.cu->cuMemUnmap(va + i * chunk, chunk);
+      g_.cu->cuMemRelease(handles_[i]);
+      handles_[i] = 0;
+    }
+    if (va != 0) g_.cu->cuMemAddressFree(va, chunk * handles_.size());
+    va = 0;
+  }
+
+  GpuRank& g_;
+  int ordinal_ = 0;
+  std::vector<cu::GenericAllocationHandle> handles_;  // per chunk; 0: not mapped
+};
+
+/// On buffers in expandable segments (4 chunks each; one of 12 for a buffer
+/// of 11 chunks, more than one registration frame holds): all-reduce,
+/// broadcast (256 KiB, as first seen refused), all-gather and reduce-scatter
+/// on buffers that cross chunk boundaries, at aligned and odd offsets (an
+/// odd number of elements; an odd byte for int8), out of and in place,
+/// against the reference; then a chunk under a buffer unmapped and another
+/// allocation mapped in its place, the second chunk and then the first (the
+/// memory must be read there, not from what was registered before); then a
+/// buffer that runs past the last mapped chunk, refused by every rank before
+/// anything is submitted, saying so. `path_ok`: whether the communicator's
+/// GPU path is the one the case means to test.
+int expandable_body(GpuRank& g, const std::function<bool(const std::string&)>& path_ok) {
+  ExpandableSegment sseg(g, 4), rseg(g, 4), many(g, 12);
+  const std::size_t c = sseg.chunk;
+  const int n = g.nranks;
+  long wrong = 0;
+  std::string first;
+  std::uint64_t salt = 7000;
+  struct Op {
+    Kind k;
+    engine::DType d;
+    std::size_t count;
+    std::size_t send_at, recv_at;  // bytes into the send and recv segments
+  };
+  for (std::size_t odd : {0, 1}) {
+    const Op ops[] = {
+        // 1.5 chunks: the input over chunks 0-2, the output over 1-3.
+        {Kind::all_reduce, engine::DType::float32, 3 * c / 8, 3 * c / 4 - 28 * odd, 3 * c / 2 + 12 * odd},
+        {Kind::broadcast, engine::DType::float32, 65536, c - 131072 - 20 * odd, 2 * c - 102400 + 4 * odd},
+        {Kind::all_gather, engine::DType::int8, c / 4 + 1, c - c / 8 - 3 * odd, 2 * c - c / 4 - odd},
+        {Kind::reduce_scatter, engine::DType::float32, c / 8, c / 2 + 44 * odd, 2 * c - c / 4 + 4 * odd},
+    };
+    for (const Op& o : ops) {
+      const Place at{sseg.va + o.send_at, rseg.va + o.recv_at};
+      for (bool ip : {false, true}) {
+        for (int root = 0; root < (o.k == Kind::broadcast ? n : 1); root += std::max(1, n - 1)) {
+          wrong += run_case(g, o.k, o.d, engine::RedOp::sum, o.count, root, ip, salt++, first, &at);
+        }
+      }
+    }
+    // 10 chunks in place from half a chunk on: 11 allocations, two frames.
+    const Place at{0, many.va + c / 2 + 20 * odd};
+    wrong += run_case(g, Kind::all_reduce, engine::DType::int32, engine::RedOp::sum, 10 * c / 4, 0, true,
+                      salt++, first, &at);
+  }
+  const std::string path = collective_comm_gpu_path(g.comm);
+  if (g.rank == 0) std::fprintf(stderr, "gpu path: %s\n", path.c_str());
+  if (!path_ok(path)) {
+    std::fprintf(stderr, "rank %d: not the GPU path this case tests: %s\n", g.rank, path.c_str());
+    return 5;
+  }
+  // A chunk replaced under a buffer over chunks 1-2 (the second of its
+  // allocations, then the first): a new input is uploaded to the new memory
+  // and must be what the operation reads.
+  for (int replaced : {2, 1}) {
+    const Place at{sseg.va + 3 * c / 2, rseg.va + c / 2};
+    wrong += run_case(g, Kind::all_reduce, engine::DType::int32, engine::RedOp::sum, c / 4, 0, false, salt++,
+                      first, &at);
+    sseg.remap(replaced);
+    wrong += run_case(g, Kind::all_reduce, engine::DType::int32, engine::RedOp::sum, c / 4, 0, false, salt++,
+                      first, &at);
+  }
+  if (wrong != 0) {
+    std::fprintf(stderr, "rank %d: %ld wrong bytes; %s\n", g.rank, wrong, first.c_str());
+    return 1;
+  }
+  // Past the last mapped chunk (the segment's range goes on, unmapped).
+  void* tail = reinterpret_cast<void*>(sseg.va + 4 * c - c / 2);
+  collective_request_t* req = nullptr;
+  const auto rc = collective_all_reduce_stream(g.comm, tail, tail, c / 4, COLLECTIVE_INT32, COLLECTIVE_SUM,
+                                               g.stream, &req);
+  const std::string why = rc == COLLECTIVE_OK ? "accepted" : collective_last_error();
+  if (rc == COLLECTIVE_OK) collective_request_free(req);
+  if (rc != COLLECTIVE_INVALID_ARGUMENT || why.find("past the end of mapped GPU memory") == std::string::npos) {
+    std::fprintf(stderr, "rank %d: a buffer past the last mapped chunk: %s\n", g.rank, why.c_str());
+    return 6;
+  }
+  if (g.rank == 0) std::fprintf(stderr, "refused: %s\n", why.c_str());
+  g.ok(g.cu->cuStreamSynchronize(g.stream), "cuStreamSynchronize");
+  return 0;
+}
+
+}  // namespace
+
+TEST_CASE("gpu: expandable segments: buffers spanning cuMemCreate chunks, 2 and 3 ranks on one GPU (daemon's kernels)") {
+  // The daemon imports every chunk a buffer spans and maps them back to back.
+  Daemon d(Daemon::Options{.overrides = {"log.level=debug"}});
+  for (int n : {2, 3}) {
+    with_ranks(d, n, 1, [](GpuRank& g) {
+      return expandable_body(g, [](const std::string& p) { return p.rfind("daemon: ranks 0 and 1 share GPU-", 0) == 0; });
+    });
+  }
+  CHECK(d.log().find("pieces=11") != std::string::npos);  // the 11-chunk buffer, one registration
+}
+
+TEST_CASE("gpu: expandable segments: buffers spanning cuMemCreate chunks, client's kernels (one rank per GPU)") {
+  // The client's kernels read the buffers in place; the 11-chunk all-reduce
+  // (above gpu.client_kernel_max_bytes) goes to the daemon, on 2 GPUs.
+  if (g_gpus < 2) {
+    MESSAGE("skipped: the client's kernels need 2 GPUs, this machine has " << g_gpus);
+    return;
+  }
+  Daemon d(Daemon::Options{.overrides = {"log.level=debug"}});
+  with_ranks(d, 2, 2, [](GpuRank& g) {
+    return expandable_body(g, [](const std::string& p) { return p.rfind("client kernels: 2 ranks on 2 GPUs", 0) == 0; });
+  });
+  CHECK(d.log().find("pieces=11") != std::string::npos);
+}
+
+TEST_CASE("gpu: expandable segments: buffers spanning cuMemCreate chunks, across nodes (staged by the client, then by the daemons)") {
+  // Up to 4 MiB per rank the client copies the buffers to its host staging
+  // (the 11-chunk all-reduce goes to the daemons' staging, which maps it);
+  // with gpu.client_stage_max_bytes=0 the daemons stage everything.
+  for (const bool by_client : {true, false}) {
+    GpuCluster cl(2, by_client ? std::vector<std::string>{"log.level=debug"}
+                               : std::vector<std::string>{"log.level=debug", "gpu.client_stage_max_bytes=0"});
+    const bool ok = with_ranks_on(cl.sockets(), std::min(g_gpus, 2), [by_client](GpuRank& g) {
+      return expandable_body(g, [by_client](const std::string& p) {
+        return (p.find("staged by this library") != std::string::npos) == by_client;
+      });
+    }, 600s);
+    if (!ok) cl.dump_logs();
+    CHECK(ok);
+    for (const auto& node : cl.nodes) CHECK(node.daemon->log().find("pieces=11") != std::string::npos);
+  }
 }
 
 int main(int argc, char** argv) {
