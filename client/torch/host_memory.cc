@@ -159,9 +159,14 @@ void SharedHostAllocator::free_block(void* ctx) {
 
 void SharedHostAllocator::release(void* p) {
   std::unique_lock lock(mu_);
-  if (forked_) return;  // the parent's block: it stays the parent's
   auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
-  if (it == live_.end()) return;
+  if (it == live_.end()) {
+    // The fallback's memory, freed through raw_deallocate.
+    lock.unlock();
+    if (c10::DeleterFnPtr d = fallback_->raw_deleter()) d(p);
+    return;
+  }
+  if (forked_) return;  // the parent's block: it stays the parent's
   const std::size_t bytes = it->second;
   live_.erase(it);
   if (cached_bytes_ + bytes <= cache_limit_) {

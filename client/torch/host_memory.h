@@ -69,6 +69,9 @@ class SharedHostAllocator final : public c10::Allocator {
   static SharedHostAllocator* installed();
 
   c10::DataPtr allocate(std::size_t n) override;
+  /// Frees what this allocator handed out, ours or the fallback's (torch's
+  /// raw_allocate/raw_deallocate, used by its matrix kernels' scratch).
+  c10::DeleterFnPtr raw_deleter() const override { return &SharedHostAllocator::free_block; }
   void copy_data(void* dest, const void* src, std::size_t count) const override;
 
   /// Registered memory for staging, whatever its size. Throws c10::Error.
