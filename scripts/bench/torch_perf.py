@@ -7,7 +7,8 @@ MASTER_PORT and COLLECTIVED_SOCKET set. Rank 0 writes one JSON object a line on 
 
   {"kind": "init", "backend", "how": "init_process_group"|"new_group", "init_s", "first_s"}
       the default group (backend --default) is made first and timed with its first all-reduce
-      (4 bytes); then the other backend's new_group with its first all-reduce.
+      (4 bytes); then the other backend's new_group with its first all-reduce. With --sync-dir
+      the ranks meet there first (files), so that the time is not the ranks' start skew.
   {"kind": "op", "backend", "slot": "a"|"b"|"control", "op", "bytes", "count", "iters",
    "time_us", "algbw", "busbw", "wrong"}
       per op and size: the two backends in the order --order, then the control backend
@@ -111,6 +112,13 @@ class Bench:
         other = "gloo" if a.default == "collectived" else "collectived"
         for b in (a.default, other):
             self.devs[b] = self.cdev if b == "collectived" else torch.device("cpu")
+        if a.sync_dir:  # every rank here first, so that the time is init's, not the ranks' start skew
+            open(os.path.join(a.sync_dir, f"rank{self.rank}"), "w").close()
+            t_sync = time.time()
+            while not all(os.path.exists(os.path.join(a.sync_dir, f"rank{r}")) for r in range(self.n)):
+                if time.time() - t_sync > a.timeout:
+                    raise RuntimeError(f"not every rank reached {a.sync_dir} in {a.timeout} s")
+                time.sleep(0.001)
         t0 = time.perf_counter()
         dist.init_process_group(a.default, timeout=timedelta(seconds=a.timeout))
         init_s = time.perf_counter() - t0
@@ -291,6 +299,7 @@ def main():
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--sync-dir", default="", help="ranks meet here (files) before init_process_group is timed")
     p.add_argument("--ddp-steps", type=int, default=20, help="0: no DDP")
     p.add_argument("--ddp-warmup", type=int, default=3)
     p.add_argument("--ddp-hidden", type=int, default=1024)
