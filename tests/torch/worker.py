@@ -126,6 +126,13 @@ def gen(key, rank, count, dtype, red=None, shape=None):
     return torch.randint(lo, hi + 1, shape, generator=g, dtype=torch.int64).to(dtype)
 
 
+def settle():
+    """CUDA work: wait() only orders the current stream; wait for the device before timing or
+    polling what the CPU sees. Nothing on CPU."""
+    if DEVICE.type == "cuda":
+        torch.cuda.current_stream().synchronize()
+
+
 def dev(x):
     """A copy on the device under test (never the CPU input itself: inputs stay pristine)."""
     return x.to(DEVICE, copy=True)
@@ -264,6 +271,7 @@ def allreduce_case(gloo, dtype, red, count, variant="plain", group=None):
     if variant == "async":
         w = dist.all_reduce(t, op=op, group=group, async_op=True)
         REP.ok(w.wait(timeout=timedelta(seconds=60)) is not False, what + ": wait() returned False")
+        settle()
         REP.ok(w.is_completed(), what + ": is_completed() False after wait()")
     else:
         dist.all_reduce(t, op=op, group=group)
@@ -614,6 +622,7 @@ def work_cases(gloo):
         early = w.is_completed()
         t_poll = time.time() - t0
         ok = w.wait(timeout=timedelta(seconds=60))
+        settle()  # CUDA: wait() does not block the CPU; the device does
         t_wait = time.time() - t0
         if RANK != 0:
             REP.ok(t_call < 0.5, what + ": the call blocked", f"all_reduce(async_op=True) took {t_call:.3f} s")
@@ -641,6 +650,7 @@ def work_cases(gloo):
         REP.ok(fut.done(), what + ": future not done")
         w2 = dist.all_gather_into_tensor(torch.empty(WORLD * 3, device=DEVICE), dev(torch.ones(3)), async_op=True)
         w2.get_future().wait()
+        settle()
         REP.ok(w2.is_completed(), what + ": all_gather work not completed after its future")
     REP.case(what, future)
 
@@ -652,6 +662,7 @@ def work_cases(gloo):
             time.sleep(0.7)
         t0 = time.time()
         dist.barrier()
+        settle()
         dt = time.time() - t0
         if RANK != WORLD - 1:
             REP.ok(dt > 0.4, what, f"barrier returned after {dt:.3f} s; the last rank came 0.7 s late")
@@ -963,6 +974,7 @@ def fail_loop(timeout_s, count, max_s):
         try:
             w = dist.all_reduce(x, async_op=True)
             w.wait()
+            settle()
         except Exception as e:  # noqa: BLE001
             return dict(raised=type(e).__name__, is_runtime_error=isinstance(e, RuntimeError), message=str(e),
                         t_submit=t0, t_raise=time.time(), iterations=i)
@@ -978,6 +990,7 @@ def after_failure():
     t0 = time.time()
     try:
         dist.all_reduce(dev(torch.ones(3)))
+        settle()
         return dict(next_raised=None, next_s=time.time() - t0)
     except Exception as e:  # noqa: BLE001
         return dict(next_raised=type(e).__name__, next_message=str(e)[:400], next_s=time.time() - t0)
@@ -1011,6 +1024,7 @@ def scenario_stuck(timeout_s="3"):
     try:
         w = dist.all_reduce(x, async_op=True)
         w.wait()
+        settle()
     except Exception as e:  # noqa: BLE001
         res = dict(raised=type(e).__name__, is_runtime_error=isinstance(e, RuntimeError), message=str(e))
     res.update(t_submit=t0, t_raise=time.time())
