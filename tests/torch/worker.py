@@ -668,6 +668,29 @@ def work_cases(gloo):
             REP.ok(dt > 0.4, what, f"barrier returned after {dt:.3f} s; the last rank came 0.7 s late")
     REP.case(what, barrier)
 
+    what = "wait(timeout) shorter than the op: raises or returns False; the op completes later"
+
+    def wait_timeout():
+        x = dev(torch.full((5,), float(RANK + 1)))
+        dist.barrier(group=gloo)
+        if RANK == 0:
+            time.sleep(1.5)
+        w = dist.all_reduce(x, async_op=True)
+        if RANK != 0:
+            t0 = time.time()
+            try:
+                ret = w.wait(timeout=timedelta(milliseconds=200))
+                REP.ok(ret is False, what + ": wait(200 ms) returned before rank 0 called",
+                       f"returned {ret!r} after {time.time() - t0:.2f} s")
+            except RuntimeError as e:
+                dt = time.time() - t0
+                REP.ok(dt < 1.2, what + ": wait(200 ms) raised late", f"{dt:.2f} s: {e}")
+                REP.note(what, f"raised after {dt:.2f} s: {str(e)[:300]}")
+        w.wait()
+        settle()
+        close(what, x, torch.full((5,), WORLD * (WORLD + 1) / 2, dtype=torch.float64), torch.float32)
+    REP.case(what, wait_timeout)
+
     what = "many async ops in flight, waited in reverse"
 
     def many():
