@@ -752,11 +752,15 @@ struct Engine::Impl {
           changed = true;
         }
       }
-      // Point-to-point pairs whose both groups are at their ranks' heads.
+      // Point-to-point pairs whose groups are both in their ranks' leading
+      // run of groups (no collective before them): a rank's isend and its
+      // later irecv both wait for their peers, as Gloo's and NCCL's do, so
+      // two ranks that each send first and receive second meet. The k-th
+      // send from a to b still meets the k-th receive at b from a (index).
       for (auto& m : comm.members) {
         if (comm.broken) break;
-        if (m.queue.empty() || m.queue.front().type != Work::Type::group) continue;
-        auto g = m.queue.front().group;
+        for (const auto& g : leading_groups(m)) {
+        if (comm.broken || g->failed) break;
         for (std::size_t k = 0; k < g->items.size(); ++k) {
           auto& item = g->items[k];
           if (item.started) continue;
@@ -773,12 +777,18 @@ struct Engine::Impl {
           }
           if (!item.is_send) continue;
           Member& peer = comm.members[item.peer];
-          if (peer.queue.empty() || peer.queue.front().type != Work::Type::group) continue;
-          auto h = peer.queue.front().group;
-          auto match = std::find_if(h->items.begin(), h->items.end(), [&](const P2PItem& i) {
-            return !i.is_send && i.peer == m.rank && i.index == item.index;
-          });
-          if (match == h->items.end()) continue;
+          std::shared_ptr<Group> h;
+          std::vector<P2PItem>::iterator match;
+          for (const auto& cand : leading_groups(peer)) {
+            match = std::find_if(cand->items.begin(), cand->items.end(), [&](const P2PItem& i) {
+              return !i.is_send && i.peer == m.rank && i.index == item.index;
+            });
+            if (match != cand->items.end()) {
+              h = cand;
+              break;
+            }
+          }
+          if (!h) continue;
           if (match->count * dtype_size(match->dtype) != item.count * dtype_size(item.dtype) ||
               match->dtype != item.dtype) {
             const std::string why =
@@ -826,8 +836,24 @@ struct Engine::Impl {
           }
           start_pair(cp, g, h, item.span, match->span, tasks);
         }
+        }
       }
     }
+  }
+
+  /// The send/recv groups at the head of a rank's queue, before its first
+  /// collective or leave (copies: pairing may remove them from the queue).
+  /// Stream-ordered (GPU) groups only at the very head: the client's stream
+  /// waits on one flag word whose tickets must complete in order.
+  static std::vector<std::shared_ptr<Group>> leading_groups(const Member& m) {
+    std::vector<std::shared_ptr<Group>> run;
+    for (const Work& w : m.queue) {
+      if (w.type != Work::Type::group) break;
+      if (w.group->gpu_sync && !run.empty()) break;
+      run.push_back(w.group);
+      if (w.group->gpu_sync) break;
+    }
+    return run;
   }
 
   void start_slot(const std::shared_ptr<Comm>& cp, Slot& slot, std::vector<Delivery>& out,

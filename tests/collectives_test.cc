@@ -203,6 +203,47 @@ TEST_CASE("grouped send/recv: a ring exchange, self-sends, and a mismatched pair
   });
 }
 
+TEST_CASE("separate send and receive groups: every rank sends first, then receives, and they meet") {
+  // PyTorch's isend then irecv on every rank: the send groups wait for their
+  // peers' receive groups, which come second in every rank's queue.
+  Daemon d;
+  auto id = new_id(d.socket());
+  constexpr int n = 3;
+  run_ranks(n, [&](int rank) {
+    RankCtx c = join(d.socket(), id, n, rank, 1 << 16);
+    auto* s = reinterpret_cast<std::int64_t*>(c.send);
+    auto* r = reinterpret_cast<std::int64_t*>(c.recv);
+    for (int i = 0; i < 64; ++i) s[i] = rank * 1000 + i;
+    collective_request_t* sends[2] = {};
+    collective_request_t* recvs[2] = {};
+    for (int k = 0; k < 2; ++k) {  // two rounds: the pairs meet in order
+      collective_group_start(c.comm);
+      collective_send(c.comm, s + 32 * k, 32, COLLECTIVE_INT64, (rank + 1) % n);
+      collective_group_end(c.comm, &sends[k]);
+    }
+    for (int k = 0; k < 2; ++k) {
+      collective_group_start(c.comm);
+      collective_recv(c.comm, r + 32 * k, 32, COLLECTIVE_INT64, (rank + n - 1) % n);
+      collective_group_end(c.comm, &recvs[k]);
+    }
+    for (auto* q : {sends[0], sends[1], recvs[0], recvs[1]}) {
+      if (collective_wait(q, 10000) != COLLECTIVE_OK) {
+        std::fprintf(stderr, "rank %d: %s\n", rank, collective_last_error());
+        return 10;
+      }
+      collective_request_free(q);
+    }
+    const int left = (rank + n - 1) % n;
+    for (int i = 0; i < 64; ++i)
+      if (r[i] != left * 1000 + i) return 11;
+    collective_request_t* req = nullptr;
+    collective_barrier(c.comm, &req);
+    if (collective_wait(req, 10000) != COLLECTIVE_OK) return 12;
+    collective_request_free(req);
+    return 0;
+  });
+}
+
 TEST_CASE("mismatched operations fail on every rank with both ranks and both values named") {
   Daemon d;
   auto id = new_id(d.socket());

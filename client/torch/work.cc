@@ -65,9 +65,11 @@ bool Work::wait(std::chrono::milliseconds timeout) {
     cuda_->block_current_stream();
     return true;
   }
+  // No timeout given: settle it here; the operation's own deadline (the
+  // daemon's) answers first, so this never waits for ever.
+  if (timeout == kNoTimeout) try_settle();
+  if (!settled() && !urgent_.exchange(true) && on_settled) on_settled();  // Progress: settle it
   std::unique_lock lock(mutex_);
-  // No timeout given: the operation's own deadline answers first (the
-  // daemon's), so this never waits for ever.
   if (timeout == kNoTimeout) {
     cv_.wait(lock, [&] { return completed_; });
   } else if (!cv_.wait_for(lock, timeout, [&] { return completed_; })) {
@@ -87,19 +89,41 @@ void Work::synchronize() {
 
 void Work::blockCurrentStream() { synchronize(); }
 
-c10::intrusive_ptr<c10::ivalue::Future> Work::getFuture() { return future_; }
+c10::intrusive_ptr<c10::ivalue::Future> Work::getFuture() {
+  // Its callbacks (DDP's comm hooks) run when Progress settles the Work.
+  if (!urgent_.exchange(true) && on_settled) on_settled();
+  return future_;
+}
 
 std::vector<at::Tensor> Work::result() { return outputs_; }
 
+bool Work::try_settle() {
+  int expected = kPending;
+  if (!state_.compare_exchange_strong(expected, kClaimed)) return state_.load() == kSettled;
+  std::string error;
+  for (auto* r : requests) {
+    // -1: up to the operation's own deadline (the daemon answers by then).
+    if (collective_wait(r, -1) != COLLECTIVE_OK && error.empty()) error = collective_last_error();
+    collective_request_free(r);
+  }
+  requests.clear();
+  complete(error);
+  state_ = kSettled;
+  // Progress pops settled Works when it gets to them; it is woken only when
+  // it waits for this one (claimed here while it was due there).
+  if (on_settled && progress_waits_ != nullptr && progress_waits_->load()) on_settled();
+  return true;
+}
+
 void Work::cuda_submitted() {
+  urgent_ = true;
   // The caller's stream is the internal one here (CudaLaunch's guard): the
   // future records its events there, and whoever waits on it waits for them.
   future_->markCompleted(c10::IValue(outputs_));
   cuda_->restore();
 }
 
-void Work::complete(const std::string& error, c10d::WorkResult kind) {
-  (void)kind;
+void Work::complete(const std::string& error) {
   std::exception_ptr e;
   std::string why = error;
   // libcollective's messages start with the library's name; ours does.
@@ -146,47 +170,60 @@ Progress::~Progress() {
 }
 
 void Progress::enqueue(c10::intrusive_ptr<Work> w) {
+  w->on_settled = [this] { poke(); };
+  w->progress_waits_ = &waiting_for_claim_;
+  const bool urgent = w->urgent();
+  bool was_empty;
   {
     std::lock_guard lock(mu_);
+    was_empty = queue_.empty();
     queue_.push_back(std::move(w));
     ++enqueued_;
   }
+  // Progress sleeps until the head is due; a new Work behind it can wait.
+  if (was_empty || urgent) cv_.notify_all();
+}
+
+void Progress::poke() {
+  { std::lock_guard lock(mu_); }  // orders the change before the waiter's check
   cv_.notify_all();
 }
 
 void Progress::drain() {
   std::unique_lock lock(mu_);
   const std::uint64_t target = enqueued_;
+  for (auto& w : queue_) w->make_urgent();
+  cv_.notify_all();
   cv_.wait(lock, [&] { return completed_ >= target; });
 }
 
 void Progress::run() {
+  std::unique_lock lock(mu_);
   for (;;) {
-    c10::intrusive_ptr<Work> w;
-    {
-      std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, nothing left
-      w = queue_.front();
-    }
-    std::string error;
-    c10d::WorkResult kind = c10d::WorkResult::SUCCESS;
-    for (auto* r : w->requests) {
-      // -1: up to the operation's own deadline (the daemon answers by then).
-      const collective_result_t res = collective_wait(r, -1);
-      if (res != COLLECTIVE_OK && error.empty()) {
-        error = collective_last_error();
-        kind = res == COLLECTIVE_TIMEOUT ? c10d::WorkResult::TIMEOUT : c10d::WorkResult::COMM_ERROR;
+    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping, nothing left
+    c10::intrusive_ptr<Work> w = queue_.front();
+    if (!w->settled()) {
+      // Give a caller about to wait() the chance to settle it on its own
+      // thread; settle it here once it is urgent or has waited long enough.
+      const auto due = w->submitted() + kSettleDelay;
+      if (!stop_ && !w->urgent() && std::chrono::steady_clock::now() < due) {
+        cv_.wait_until(lock, due, [&] { return stop_ || w->urgent() || w->settled(); });
+        continue;
       }
-      collective_request_free(r);
+      lock.unlock();
+      if (!w->try_settle()) {
+        // A caller is settling it: wait for its poke.
+        lock.lock();
+        waiting_for_claim_ = true;
+        cv_.wait(lock, [&] { return w->settled(); });
+        waiting_for_claim_ = false;
+        lock.unlock();
+      }
+      lock.lock();
     }
-    w->requests.clear();
-    w->complete(error, kind);
-    {
-      std::lock_guard lock(mu_);
-      queue_.pop_front();
-      ++completed_;
-    }
+    queue_.pop_front();
+    ++completed_;
     cv_.notify_all();
   }
 }

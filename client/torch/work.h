@@ -2,11 +2,19 @@
 // them: it waits for libcollective's requests in submission order, copies
 // staged outputs back into CPU tensors, and completes the Work and its future
 // with the daemon's answer (an error names the rank, node and pid at fault).
+//
+// Who waits for the daemon's answer: whoever settles the Work first. A
+// caller blocked in wait() settles it on its own thread, so a blocking call
+// costs no hand-off between threads (on a loaded host each hand-off costs a
+// scheduling delay, tens of microseconds); Progress settles the Works nobody
+// waits for: at once where a future or CUDA work needs it, else after
+// kSettleDelay.
 #pragma once
 
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -51,17 +59,33 @@ class Work final : public c10d::Work {
   std::vector<c10::DataPtr> keep_blocks;
   std::vector<at::Tensor> keep_tensors;
 
-  /// Progress's side: the outcome of the requests.
-  void complete(const std::string& error, c10d::WorkResult kind);
+  /// Waits for the requests and completes the Work, unless another thread
+  /// does or did (then returns at once). False: another thread is at it.
+  bool try_settle();
+  bool settled() const { return state_.load() == kSettled; }
+  /// Progress should settle it without waiting for a caller (a future was
+  /// asked for, or CUDA work, whose wait() does not block).
+  bool urgent() const { return urgent_.load(); }
+  void make_urgent() { urgent_ = true; }
+  std::chrono::steady_clock::time_point submitted() const { return submitted_; }
   /// CUDA: completes the future now, stream-ordered (see Future's devices).
   void cuda_submitted();
+  /// Wakes Progress (set by Progress::enqueue).
+  std::function<void()> on_settled;
+  /// Progress waits for a Work another thread claimed (set by enqueue).
+  const std::atomic<bool>* progress_waits_ = nullptr;
 
  private:
   const std::string what_;
   std::vector<at::Tensor> outputs_;
   std::unique_ptr<CudaLaunch> cuda_;
+  void complete(const std::string& error);
+  static constexpr int kPending = 0, kClaimed = 1, kSettled = 2;
   const std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::atomic<int> state_{kPending};
+  std::atomic<bool> urgent_{false};
+  const std::chrono::steady_clock::time_point submitted_ = std::chrono::steady_clock::now();
 };
 
 /// The completing thread of one process group.
@@ -73,9 +97,15 @@ class Progress {
   Progress(const Progress&) = delete;
   Progress& operator=(const Progress&) = delete;
 
+  /// A Work not waited for is settled after this long (its completion, seen
+  /// by is_completed() alone, is that late at most).
+  static constexpr std::chrono::microseconds kSettleDelay{500};
+
   void enqueue(c10::intrusive_ptr<Work> w);
   /// Blocks until every Work enqueued so far is complete.
   void drain();
+  /// Something changed for a Work in the queue (settled, or now urgent).
+  void poke();
 
  private:
   void run();
@@ -84,6 +114,8 @@ class Progress {
   std::deque<c10::intrusive_ptr<Work>> queue_;
   std::uint64_t enqueued_ = 0, completed_ = 0;
   bool stop_ = false;
+  /// Progress waits for a Work another thread claimed: settling pokes it.
+  std::atomic<bool> waiting_for_claim_{false};
   std::thread thread_;
 };
 
