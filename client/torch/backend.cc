@@ -79,12 +79,21 @@ void Backend::setTimeout(std::chrono::milliseconds timeout) {
 }
 
 c10d::ErrorType Backend::getError() {
-  std::lock_guard lock(mu_);
-  return error_;
+  std::lock_guard lock(async_error_->mu);
+  return async_error_->message.empty() ? c10d::ErrorType::SUCCESS : c10d::ErrorType::COMM_ERROR;
 }
 
 Backend::Started Backend::start(c10d::OpType type, const char* what, const at::Tensor& first,
                                 std::chrono::milliseconds timeout) {
+  {
+    std::lock_guard lock(async_error_->mu);
+    if (!async_error_->message.empty()) {
+      throw c10::DistBackendError(
+          c10::SourceLocation{__func__, __FILE__, static_cast<std::uint32_t>(__LINE__)},
+          async_error_->message + " (an earlier operation on CUDA tensors of " + where() +
+              "; its output was undefined: make a new group)");
+    }
+  }
   const auto t = timeout == c10d::kUnsetTimeout ? config_.timeout : timeout;
   if (t != comm_timeout_) {
     TORCH_CHECK(collective_comm_set_timeout(comm(), t.count()) == COLLECTIVE_OK,

@@ -134,7 +134,13 @@ class Backend final : public c10d::Backend {
   bool coalescing_ = false;
   bool group_open_ = false;
   std::chrono::milliseconds comm_timeout_{0};
-  c10d::ErrorType error_ = c10d::ErrorType::SUCCESS;
+  /// The first failure of an operation on CUDA tensors (see
+  /// Work::on_cuda_failure): every later operation raises it.
+  struct AsyncError {
+    std::mutex mu;
+    std::string message;
+  };
+  std::shared_ptr<AsyncError> async_error_ = std::make_shared<AsyncError>();
 };
 
 }  // namespace collectived::torch_backend

@@ -107,7 +107,13 @@ c10::intrusive_ptr<Work> Launch::submit(std::vector<at::Tensor> outputs) {
       for (const auto& s : steps) s();
     };
   }
-  if (on_gpu) w->cuda_submitted();
+  if (on_gpu) {
+    w->on_cuda_failure = [e = b_.async_error_](const std::string& m) {
+      std::lock_guard lock(e->mu);
+      if (e->message.empty()) e->message = m;
+    };
+    w->cuda_submitted();
+  }
   b_.progress_->enqueue(w);
   return w;
 }

@@ -71,6 +71,26 @@ c10::intrusive_ptr<c10d::Work> Backend::point_to_point(std::vector<at::Tensor>& 
               tensors.size());
   check_peer(peer, getSize(), what);
   const at::Tensor& t = tensors[0];
+  if (t.is_cuda() && !coalescing_) {
+    // A lone send or receive of CUDA tensors goes through host memory: a
+    // rank's stream-ordered groups complete in submission order, so a GPU
+    // send posted before its rank's receive could not wait for the peer's
+    // send (both ranks isend, then irecv). batch_isend_irecv keeps the GPU
+    // path: its sends and receives are one group.
+    at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU));
+    if (is_send) host.copy_(t);  // after the caller's stream's work on it
+    auto op = start(is_send ? c10d::OpType::SEND : c10d::OpType::RECV, what, host,
+                    c10d::kUnsetTimeout);
+    Group g(comm(), *op, false, group_open_);
+    if (is_send) {
+      g.send(host, peer, what);
+    } else {
+      g.recv(host, peer, what);
+      op->then([t, host] { t.copy_(host); });  // before wait() returns
+    }
+    g.end();
+    return finish(op, tensors);
+  }
   auto op = start(is_send ? c10d::OpType::SEND : c10d::OpType::RECV, what, t, c10d::kUnsetTimeout);
   op->check(t, is_send ? "send" : "receive");
   Group g(comm(), *op, coalescing_, group_open_);

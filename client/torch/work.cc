@@ -42,8 +42,11 @@ Work::~Work() {
 
 bool Work::isCompleted() {
   std::lock_guard lock(mutex_);
-  if (!completed_) return false;
-  return exception_ != nullptr || cuda_ == nullptr || cuda_->done();
+  if (exception_ != nullptr) return true;
+  // CUDA: done when the GPU is past the operation (ProcessGroupNCCL's test),
+  // whether or not the daemon's answer has been read yet.
+  if (cuda_ != nullptr) return cuda_->done();
+  return completed_;
 }
 
 bool Work::isSuccess() const {
@@ -141,6 +144,7 @@ void Work::complete(const std::string& error) {
         "collectived: " + what_ + " failed: " + why));
   }
   on_success = nullptr;
+  if (e && cuda_ != nullptr && on_cuda_failure) on_cuda_failure("collectived: " + what_ + " failed: " + why);
   keep_blocks.clear();
   keep_tensors.clear();
   {

@@ -70,6 +70,10 @@ class Work final : public c10d::Work {
   std::chrono::steady_clock::time_point submitted() const { return submitted_; }
   /// CUDA: completes the future now, stream-ordered (see Future's devices).
   void cuda_submitted();
+  /// CUDA work that failed: told to the group, whose next operation raises
+  /// it (the caller's stream was released with undefined output, and wait()
+  /// may have returned before the failure was known).
+  std::function<void(const std::string&)> on_cuda_failure;
   /// Wakes Progress (set by Progress::enqueue).
   std::function<void()> on_settled;
   /// Progress waits for a Work another thread claimed (set by enqueue).

@@ -25,6 +25,11 @@ def named(message, rank, pid):
     return missing
 
 
+# CUDA tensors: wait() blocks only in blocking-wait mode (as TORCH_NCCL_BLOCKING_WAIT makes
+# ProcessGroupNCCL's); without it the failure is raised by the group's next operation.
+FAILURE_ENV = {"COLLECTIVED_TORCH_BLOCKING_WAIT": "1"} if os.environ.get("TT_DEVICE") == "cuda" else None
+
+
 def result_of(job, rank):
     recs = job.find(rank, "result")
     return recs[0] if recs else None
@@ -33,7 +38,7 @@ def result_of(job, rank):
 def test_killed_rank(fresh_daemon, launch):
     """SIGKILL of the last of 3 ranks in a loop of all-reduces: the others' wait() raise a
     RuntimeError naming it (rank, node, pid) at once, well inside the group timeout (40 s)."""
-    job = launch("killed", 3, fresh_daemon, timeout=150, args=[40])
+    job = launch("killed", 3, fresh_daemon, timeout=150, args=[40], env=FAILURE_ENV)
     assert job.wait_for("ready", range(3), 100), "ranks never got going\n" + job.logs()
     victim = job.procs[2].pid
     time.sleep(0.3)
@@ -71,7 +76,7 @@ def test_killed_rank(fresh_daemon, launch):
 def test_stuck_rank(fresh_daemon, launch):
     """The last of 3 ranks stays alive and stops calling; timeout=timedelta(seconds=3): the
     others' wait() raise a RuntimeError naming it at 3 s (+ margin), not before."""
-    job = launch("stuck", 3, fresh_daemon, timeout=120, args=[3])
+    job = launch("stuck", 3, fresh_daemon, timeout=120, args=[3], env=FAILURE_ENV)
     stuck_pid = job.procs[2].pid
     try:
         assert job.wait_for("ready", range(3), 90), "ranks never got going\n" + job.logs()

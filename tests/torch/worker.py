@@ -509,7 +509,10 @@ def p2p_cases():
             ("isend then irecv on every rank, waited after (tag 0)", ["sa", "ra", "sb", "rb"], (0, 0)),
             ("irecv then isend on every rank, waited after (tag 0)", ["ra", "sa", "rb", "sb"], (0, 0)),
             ("two isends, then two irecvs in the same order (tags 7, 9)", ["sa", "sb", "ra", "rb"], (7, 9)),
-            ("isend/irecv with tags posted in the other order (tags 7, 9)", ["sa", "sb", "rb", "ra"], (7, 9))]:
+            # Tags are not matched by collectived, as by NCCL: the k-th send from a to b
+            # meets the k-th receive at b from a (README); Gloo matches them.
+            *([] if BACKEND == "collectived" else
+              [("isend/irecv with tags posted in the other order (tags 7, 9)", ["sa", "sb", "rb", "ra"], (7, 9))])]:
         REP.case(what, exchange, what, order, tags)
 
     what = "isend/irecv both directions"
@@ -680,7 +683,10 @@ def work_cases(gloo):
             t0 = time.time()
             try:
                 ret = w.wait(timeout=timedelta(milliseconds=200))
-                REP.ok(ret is False, what + ": wait(200 ms) returned before rank 0 called",
+                # CUDA: wait() orders the caller's stream and returns (as
+                # ProcessGroupNCCL's does), so only the CPU-side claim is checked.
+                REP.ok(ret is False or DEVICE.type == "cuda",
+                       what + ": wait(200 ms) returned before rank 0 called",
                        f"returned {ret!r} after {time.time() - t0:.2f} s")
             except RuntimeError as e:
                 dt = time.time() - t0
