@@ -229,6 +229,11 @@ void Progress::run() {
     queue_.pop_front();
     ++completed_;
     cv_.notify_all();
+    // The last reference may free tensors whose owner is Python (the GIL):
+    // never with mu_ held, which a thread holding the GIL may be waiting for.
+    lock.unlock();
+    w.reset();
+    lock.lock();
   }
 }
 
