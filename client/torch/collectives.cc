@@ -23,6 +23,19 @@ at::Tensor premultiplied(const at::Tensor& t, const Reduction& r) {
   return t * r.factor;
 }
 
+/// One pair of a *_tensor operation: both tensors checked, of one dtype, the
+/// larger `times` the smaller (the group's size).
+void check_pair(const Launch& op, const at::Tensor& small, const at::Tensor& large, int times,
+                const char* what, const char* small_role, const char* large_role) {
+  op.check(small, small_role);
+  op.check(large, large_role);
+  TORCH_CHECK(small.scalar_type() == large.scalar_type(), "collectived: ", what, ": the ",
+              small_role, " is ", small.scalar_type(), ", the ", large_role, " ",
+              large.scalar_type());
+  TORCH_CHECK(large.numel() == small.numel() * times, "collectived: ", what, ": the ", large_role,
+              " has ", large.numel(), " elements, not ", times, " x ", small.numel());
+}
+
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tensors,
@@ -126,12 +139,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const at::Tensor& in = inputs[i];
     const at::Tensor& out = outputs[i];
-    op->check(in, "input");
-    op->check(out, "output");
-    TORCH_CHECK(in.scalar_type() == out.scalar_type(), "collectived: all_gather_into_tensor: ",
-                "the input is ", in.scalar_type(), ", the output ", out.scalar_type());
-    TORCH_CHECK(out.numel() == in.numel() * getSize(), "collectived: all_gather_into_tensor: "
-                "the output has ", out.numel(), " elements, not ", getSize(), " x ", in.numel());
+    check_pair(*op, in, out, getSize(), "all_gather_into_tensor", "input", "output");
     const collective_dtype_t dt = wire_dtype(in, "all_gather_into_tensor");
     const std::size_t n = wire_count(in);
     if (n == 0) continue;
@@ -219,12 +227,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const at::Tensor& in = inputs[i];
     const at::Tensor& out = outputs[i];
-    op->check(in, "input");
-    op->check(out, "output");
-    TORCH_CHECK(in.scalar_type() == out.scalar_type(), "collectived: reduce_scatter_tensor: ",
-                "the input is ", in.scalar_type(), ", the output ", out.scalar_type());
-    TORCH_CHECK(in.numel() == out.numel() * getSize(), "collectived: reduce_scatter_tensor: "
-                "the input has ", in.numel(), " elements, not ", getSize(), " x ", out.numel());
+    check_pair(*op, out, in, getSize(), "reduce_scatter_tensor", "output", "input");
     const collective_dtype_t dt = wire_dtype(out, "reduce_scatter_tensor");
     const Reduction r = wire_reduction(opts.reduceOp, out, "reduce_scatter_tensor");
     const std::size_t n = wire_count(out);
