@@ -1,5 +1,6 @@
-"""FSDP2 in bf16 over the backend against a single-process reference, and (CUDA) a
-collective overlapping a long kernel on the compute stream (train_worker.py)."""
+"""FSDP2 in bf16 over the backend against a single-process reference, abort and a new group
+afterwards, and (CUDA) a collective overlapping a long kernel on the compute stream
+(train_worker.py)."""
 import os
 import subprocess
 import sys
@@ -54,4 +55,10 @@ def test_fsdp2_bf16_matches_reference(daemon, tmp_path, world):
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="CUDA tensors only")
 def test_collective_overlaps_compute(daemon, tmp_path):
     run("overlap", 2, daemon, tmp_path / "overlap")
+    daemon_ok(daemon)
+
+
+@needs_collectived
+def test_abort_then_new_group(daemon, tmp_path):
+    run("abort", 2, daemon, tmp_path / "abort", timeout=120)
     daemon_ok(daemon)

@@ -7,6 +7,9 @@ rankR.jsonl with "fail", "note" and a last "done"). Scenarios:
            rank's full parameters match a single-process fp32 reference trained on all
            ranks' data, within bf16 tolerance. Gradients reduce with AVG, and with
            PREMUL_SUM once set_gradient_divide_factor is set.
+  abort    rank 0 aborts every group (_abort_process_group) while rank 1 waits in an
+           all_reduce: rank 1's wait() raises naming rank 0; both ranks then destroy what is
+           left and make a new group, whose all_reduce is right.
   overlap  CUDA only: an all_reduce issued before a long kernel on the compute stream
            completes while that kernel still runs (communication overlaps computation).
 """
@@ -129,10 +132,39 @@ def overlap():
     ok(torch.allclose(x, torch.full_like(x, float(WORLD ** 4))), "overlap result", x[:4].tolist())
 
 
+def abort():
+    from torch.distributed import distributed_c10d as c10d
+    x = torch.ones(4, device=DEVICE)
+    dist.all_reduce(x)  # the group works
+    dist.barrier()
+    if RANK == 0:
+        time.sleep(1.0)  # rank 1 is waiting by now
+        c10d._abort_process_group()
+    else:
+        w = dist.all_reduce(x, async_op=True)
+        t0 = time.time()
+        try:
+            w.wait()
+            if DEVICE.type == "cuda":
+                dist.all_reduce(x)  # CUDA: the failure is raised by the next operation
+            ok(False, "abort", "the all_reduce pending at the abort did not raise")
+        except RuntimeError as e:
+            ok("rank 0" in str(e) and "abort" in str(e).lower(), "abort message", str(e)[:400])
+            ok(time.time() - t0 < 10, "abort", f"raised after {time.time() - t0:.1f} s")
+            rec("note", what="abort", detail=f"raised after {time.time() - t0:.2f} s: {str(e)[:300]}")
+        dist.destroy_process_group()
+    # A new group in the same processes (a new store on a new port: the old one is gone).
+    os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
+    dist.init_process_group("collectived")
+    y = torch.full((4,), float(RANK + 1), device=DEVICE)
+    dist.all_reduce(y)
+    ok(torch.equal(y.cpu(), torch.full((4,), float(WORLD * (WORLD + 1) // 2))), "after abort", y.tolist())
+
+
 def main():
     dist.init_process_group("collectived")
     try:
-        {"fsdp": fsdp, "overlap": overlap}[SCENARIO]()
+        {"fsdp": fsdp, "overlap": overlap, "abort": abort}[SCENARIO]()
     except Exception:  # noqa: BLE001
         rec("fail", what=SCENARIO, detail=traceback.format_exc())
     dist.destroy_process_group()
