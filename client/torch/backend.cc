@@ -67,21 +67,25 @@ std::string Backend::where() const {
          " (rank " + std::to_string(getRank()) + " of " + std::to_string(getSize()) + ")";
 }
 
+#if COLLECTIVED_TORCH_HAS_BACKEND_OPTIONS
 c10::intrusive_ptr<c10d::Backend::Options> Backend::getBackendOptions() {
   auto o = c10::make_intrusive<c10d::Backend::Options>("collectived", config_.timeout);
   o->group_name = config_.group_name;
   return o;
 }
+#endif
 
 void Backend::setTimeout(std::chrono::milliseconds timeout) {
   std::lock_guard lock(mu_);
   config_.timeout = timeout;
 }
 
+#if COLLECTIVED_TORCH_HAS_ERROR_TYPE
 c10d::ErrorType Backend::getError() {
   std::lock_guard lock(async_error_->mu);
   return async_error_->message.empty() ? c10d::ErrorType::SUCCESS : c10d::ErrorType::COMM_ERROR;
 }
+#endif
 
 Backend::Started Backend::start(c10d::OpType type, const char* what, const at::Tensor& first,
                                 std::chrono::milliseconds timeout) {

@@ -17,6 +17,7 @@
 #include "client/collective.h"
 #include "client/torch/cuda_launch.h"
 #include "client/torch/host_memory.h"
+#include "client/torch/torch_compat.h"
 #include "client/torch/work.h"
 
 namespace collectived::torch_backend {
@@ -38,10 +39,18 @@ class Backend final : public c10d::Backend {
   ~Backend() override;
 
   const std::string getBackendName() const override { return "collectived"; }
+#if COLLECTIVED_TORCH_HAS_BACKEND_OPTIONS
   c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override;
+#endif
   bool supportsCoalescing() const override { return true; }
+#if COLLECTIVED_TORCH_HAS_BACKEND_OPTIONS
   void setTimeout(std::chrono::milliseconds timeout) override;
+#else
+  void setTimeout(std::chrono::milliseconds timeout);
+#endif
+#if COLLECTIVED_TORCH_HAS_ERROR_TYPE
   c10d::ErrorType getError() override;
+#endif
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
   void abort() override;

@@ -90,7 +90,9 @@ void Work::synchronize() {
   if (cuda_ != nullptr) cuda_->block_current_stream();
 }
 
+#if COLLECTIVED_TORCH_HAS_BACKEND_OPTIONS
 void Work::blockCurrentStream() { synchronize(); }
+#endif
 
 c10::intrusive_ptr<c10::ivalue::Future> Work::getFuture() {
   // Its callbacks (DDP's comm hooks) run when Progress settles the Work.

@@ -27,6 +27,7 @@
 
 #include "client/collective.h"
 #include "client/torch/cuda_launch.h"
+#include "client/torch/torch_compat.h"
 
 namespace collectived::torch_backend {
 
@@ -45,7 +46,9 @@ class Work final : public c10d::Work {
   /// waits for the daemon's answer, as TORCH_NCCL_BLOCKING_WAIT does).
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   void synchronize() override;
+#if COLLECTIVED_TORCH_HAS_BACKEND_OPTIONS
   void blockCurrentStream() override;
+#endif
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::vector<at::Tensor> result() override;
 
