@@ -36,7 +36,10 @@ collective_unique_id_t exchange_id(const c10::intrusive_ptr<c10d::Store>& store,
 }  // namespace
 
 Backend::Backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, Config config)
-    : c10d::Backend(rank, size), config_(std::move(config)) {
+    : c10d::Backend(rank, size),
+      config_(std::move(config)),
+      where_("collectived group " + (config_.group_name.empty() ? std::string("?") : config_.group_name) +
+             " (rank " + std::to_string(rank) + " of " + std::to_string(size) + ")") {
   node_ = node_connection(config_.socket);
   alloc_ = SharedHostAllocator::install(node_);
   const collective_unique_id_t id = exchange_id(store, rank, node_->get(), node_->socket());
@@ -62,10 +65,7 @@ collective_comm_t* Backend::comm() const {
   return comm_;
 }
 
-std::string Backend::where() const {
-  return "collectived group " + (config_.group_name.empty() ? std::string("?") : config_.group_name) +
-         " (rank " + std::to_string(getRank()) + " of " + std::to_string(getSize()) + ")";
-}
+const std::string& Backend::where() const { return where_; }
 
 #if COLLECTIVED_TORCH_HAS_BACKEND_OPTIONS
 c10::intrusive_ptr<c10d::Backend::Options> Backend::getBackendOptions() {
@@ -167,7 +167,7 @@ void Backend::abort() {
 void Backend::shutdown() {
   std::lock_guard lock(mu_);
   if (comm_ == nullptr) return;
-  progress_->drain();
+  progress_->drain();  // each Work settles within its operation's deadline
   // Leaving frees the communicator whatever the daemon answers: one that
   // another rank aborted, or whose daemon is gone, is left all the same
   // (destroy_process_group must not fail for them).

@@ -105,7 +105,7 @@ class Backend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
   /// "communicator NAME (rank r of n)" as libcollective names it.
-  std::string where() const;
+  const std::string& where() const;
 
  private:
   friend class Launch;
@@ -132,6 +132,7 @@ class Backend final : public c10d::Backend {
   std::shared_ptr<NodeConnection> node_;
   SharedHostAllocator* alloc_ = nullptr;
   Config config_;
+  const std::string where_;  ///< made once: every operation's name carries it
   collective_comm_t* comm_ = nullptr;
   CudaStreams streams_;
   std::unique_ptr<Progress> progress_;

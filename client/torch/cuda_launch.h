@@ -3,7 +3,7 @@
 // (an event), libcollective's stream-ordered calls go on the internal stream,
 // and an end event lets the caller's stream, the Work and the future wait for
 // it without blocking the CPU. The same shape as ProcessGroupNCCL's.
-// Compiled to stubs where torch has no CUDA (COLLECTIVED_TORCH_CUDA=0).
+// Where torch has no CUDA (COLLECTIVED_TORCH_CUDA=0), CudaLaunch refuses CUDA tensors.
 #pragma once
 
 #include <ATen/ATen.h>

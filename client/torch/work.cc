@@ -18,13 +18,11 @@ bool blocking_wait() {
   return false;
 }
 
-c10d::OpType type_or_unknown(c10d::OpType t) { return t; }
-
 }  // namespace
 
 Work::Work(int rank, c10d::OpType type, std::string what, std::vector<at::Tensor> outputs,
            std::unique_ptr<CudaLaunch> cuda, std::chrono::milliseconds timeout)
-    : c10d::Work(rank, type_or_unknown(type)),
+    : c10d::Work(rank, type),
       what_(std::move(what)),
       outputs_(std::move(outputs)),
       cuda_(std::move(cuda)),

@@ -36,18 +36,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_compare import bus_factor  # noqa: E402  (nccl-tests' factors, one copy)
+
 OPS = ["all-reduce", "all-gather", "reduce-scatter", "broadcast", "reduce", "all-to-all"]
 DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
           "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64,
           "int32": torch.int32, "int64": torch.int64, "int8": torch.int8, "uint8": torch.uint8}
-
-
-def bus_factor(op, n):
-    if op == "all-reduce":
-        return 2.0 * (n - 1) / n
-    if op in ("all-gather", "reduce-scatter", "all-to-all"):
-        return (n - 1) / n
-    return 1.0
 
 
 def sharded(op):
