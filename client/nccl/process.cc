@@ -1,0 +1,141 @@
+// Process-wide state: the connection to the node's daemon and the CUDA driver.
+//
+// NCCL's API has no handle for a library instance: ncclGetUniqueId and
+// ncclCommInitRank take none, yet both need the daemon. So the process keeps
+// one collective_client_t, made at first need under a lock and kept for the
+// process's life (its communicators and registrations live on it, and at
+// exit nothing must be torn down under threads that may still use it). All
+// other state lives in ncclComm.
+#include <pthread.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "client/nccl/shim.h"
+
+namespace collectived::nccl {
+
+namespace {
+
+std::mutex g_client_mutex;
+collective_client_t* g_client = nullptr;
+
+std::string socket_path() {
+  const char* env = std::getenv("COLLECTIVED_SOCKET");
+  return env != nullptr && env[0] != '\0' ? env : COLLECTIVE_DEFAULT_SOCKET;
+}
+
+// A forked child shares its parent's socket: it must never talk on it, so
+// it connects anew at its first need (the parent's client is left alone).
+void forget_after_fork() { g_client = nullptr; }
+
+collective_client_t* connect_locked() {
+  static std::once_flag atfork;
+  std::call_once(atfork, [] { ::pthread_atfork(nullptr, nullptr, forget_after_fork); });
+  const std::string path = socket_path();
+  note_environment(path);
+  const std::string name = "libnccl pid " + std::to_string(::getpid());
+  collective_client_t* c = nullptr;
+  // NULL: libcollective's own choice, which socket_path() mirrors for the messages.
+  const collective_result_t r = collective_connect(nullptr, name.c_str(), &c);
+  if (r != COLLECTIVE_OK) {
+    throw Failure(to_nccl(r), std::string("cannot reach the node's collectived at ") + path +
+                                  ": " + collective_last_error() +
+                                  " (COLLECTIVED_SOCKET chooses the daemon)");
+  }
+  return c;
+}
+
+}  // namespace
+
+collective_client_t* process_client() {
+  std::lock_guard lock(g_client_mutex);
+  if (g_client == nullptr) g_client = connect_locked();
+  return g_client;
+}
+
+collective_client_t* reconnect_process_client(collective_client_t* broken) {
+  std::lock_guard lock(g_client_mutex);
+  // The old client stays allocated: communicators made on it may still be
+  // referenced (their calls then fail naming the closed connection).
+  if (g_client == broken) g_client = connect_locked();
+  return g_client;
+}
+
+collective_client_t* existing_process_client() {
+  std::lock_guard lock(g_client_mutex);
+  return g_client;
+}
+
+const gpu::CudaDriver& driver() {
+  static std::mutex mu;
+  static gpu::CudaDriver* loaded = nullptr;  // never unloaded (cuda_driver.cc says why)
+  static std::string why;
+  std::lock_guard lock(mu);
+  if (loaded != nullptr) return *loaded;
+  if (why.empty()) {
+    try {
+      loaded = gpu::CudaDriver::load().release();
+      return *loaded;
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+  }
+  throw Failure(ncclUnhandledCudaError, "collectived's libnccl needs the CUDA driver: " + why);
+}
+
+void cuda_check(cu::Result r, const char* what) {
+  if (r == cu::kSuccess) return;
+  throw Failure(ncclUnhandledCudaError, std::string(what) + ": " + driver().error_text(r));
+}
+
+cu::Context bind_context(int device, int& ordinal) {
+  const gpu::CudaDriver& d = driver();
+  cu::Context ctx = nullptr;
+  if (device < 0) {
+    cuda_check(d.cuCtxGetCurrent(&ctx), "cuCtxGetCurrent");
+    if (ctx != nullptr) {
+      cu::Device dev = 0;
+      cuda_check(d.cuCtxGetDevice(&dev), "cuCtxGetDevice");
+      ordinal = dev;  // CUdevice values are the ordinals
+      return ctx;
+    }
+    device = 0;
+  }
+  int count = 0;
+  cuda_check(d.cuDeviceGetCount(&count), "cuDeviceGetCount");
+  if (device >= count) {
+    throw Failure(ncclInvalidArgument, "CUDA device " + std::to_string(device) +
+                                           " does not exist (the process sees " +
+                                           std::to_string(count) + ")");
+  }
+  cu::Device dev = 0;
+  cuda_check(d.cuDeviceGet(&dev, device), "cuDeviceGet");
+  cuda_check(d.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  cu::Context current = nullptr;
+  d.cuCtxGetCurrent(&current);
+  if (current == nullptr) cuda_check(d.cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
+  ordinal = device;
+  return ctx;
+}
+
+ContextScope::ContextScope(cu::Context ctx) {
+  if (ctx == nullptr) return;
+  const gpu::CudaDriver& d = driver();
+  cu::Context current = nullptr;
+  d.cuCtxGetCurrent(&current);
+  if (current == ctx) return;
+  cuda_check(d.cuCtxPushCurrent(ctx), "cuCtxPushCurrent of the communicator's context");
+  pushed_ = true;
+}
+
+ContextScope::~ContextScope() {
+  if (!pushed_) return;
+  cu::Context ignored = nullptr;
+  driver().cuCtxPopCurrent(&ignored);
+}
+
+}  // namespace collectived::nccl
