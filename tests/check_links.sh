@@ -9,7 +9,7 @@ set -u
 build=${1:?usage: check_links.sh BUILD_DIR}
 fail=0
 checked=0
-for f in "$build"/bin/* "$build"/lib/*.so* "$build"/python/*/*.so; do
+for f in "$build"/bin/* "$build"/lib/*.so* "$build"/lib/nccl/*.so* "$build"/python/*/*.so; do
   [ -f "$f" ] && [ ! -L "$f" ] || continue
   file -b "$f" 2>/dev/null | grep -q ELF || head -c4 "$f" | grep -q ELF || continue
   checked=$((checked + 1))

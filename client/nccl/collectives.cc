@@ -15,9 +15,12 @@ constexpr std::size_t kMaxRequests = 4096;
 
 const char* dtype_name(ncclDataType_t t) {
   switch (t) {
-    case ncclFloat8e4m3: return "ncclFloat8e4m3";
-    case ncclFloat8e5m2: return "ncclFloat8e5m2";
-    default: return nullptr;
+    case ncclFloat8e4m3:
+      return "ncclFloat8e4m3";
+    case ncclFloat8e5m2:
+      return "ncclFloat8e5m2";
+    default:
+      return nullptr;
   }
 }
 
@@ -53,17 +56,28 @@ bool settle(ncclComm* comm, collective_request_t* r, bool wait) {
 
 collective_dtype_t map_dtype(ncclDataType_t t) {
   switch (t) {
-    case ncclInt8: return COLLECTIVE_INT8;
-    case ncclUint8: return COLLECTIVE_UINT8;
-    case ncclInt32: return COLLECTIVE_INT32;
-    case ncclUint32: return COLLECTIVE_UINT32;
-    case ncclInt64: return COLLECTIVE_INT64;
-    case ncclUint64: return COLLECTIVE_UINT64;
-    case ncclFloat16: return COLLECTIVE_FLOAT16;
-    case ncclBfloat16: return COLLECTIVE_BFLOAT16;
-    case ncclFloat32: return COLLECTIVE_FLOAT32;
-    case ncclFloat64: return COLLECTIVE_FLOAT64;
-    default: break;
+    case ncclInt8:
+      return COLLECTIVE_INT8;
+    case ncclUint8:
+      return COLLECTIVE_UINT8;
+    case ncclInt32:
+      return COLLECTIVE_INT32;
+    case ncclUint32:
+      return COLLECTIVE_UINT32;
+    case ncclInt64:
+      return COLLECTIVE_INT64;
+    case ncclUint64:
+      return COLLECTIVE_UINT64;
+    case ncclFloat16:
+      return COLLECTIVE_FLOAT16;
+    case ncclBfloat16:
+      return COLLECTIVE_BFLOAT16;
+    case ncclFloat32:
+      return COLLECTIVE_FLOAT32;
+    case ncclFloat64:
+      return COLLECTIVE_FLOAT64;
+    default:
+      break;
   }
   if (const char* name = dtype_name(t)) {
     throw Failure(ncclInvalidArgument,
@@ -71,7 +85,8 @@ collective_dtype_t map_dtype(ncclDataType_t t) {
                       " (fp8) data; supported: int8, uint8, int32, uint32, int64, uint64, "
                       "float16, bfloat16, float32, float64");
   }
-  throw Failure(ncclInvalidArgument, "unknown ncclDataType_t " + std::to_string(static_cast<int>(t)));
+  throw Failure(ncclInvalidArgument,
+                "unknown ncclDataType_t " + std::to_string(static_cast<int>(t)));
 }
 
 void track(ncclComm* comm, collective_request_t* request) {
@@ -154,8 +169,8 @@ void submit(ncclComm* comm, const Coll& c) {
       break;
   }
   if (rc != COLLECTIVE_OK) {
-    throw Failure(to_nccl(rc), std::string("on the ") + comm->where() + ": " +
-                                   collective_last_error());
+    throw Failure(to_nccl(rc),
+                  std::string("on the ") + comm->where() + ": " + collective_last_error());
   }
   track(comm, r);
 }
@@ -164,12 +179,18 @@ namespace {
 
 collective_redop_t map_op(ncclRedOp_t op) {
   switch (op) {
-    case ncclSum: return COLLECTIVE_SUM;
-    case ncclProd: return COLLECTIVE_PROD;
-    case ncclMax: return COLLECTIVE_MAX;
-    case ncclMin: return COLLECTIVE_MIN;
-    case ncclAvg: return COLLECTIVE_AVG;
-    default: break;
+    case ncclSum:
+      return COLLECTIVE_SUM;
+    case ncclProd:
+      return COLLECTIVE_PROD;
+    case ncclMax:
+      return COLLECTIVE_MAX;
+    case ncclMin:
+      return COLLECTIVE_MIN;
+    case ncclAvg:
+      return COLLECTIVE_AVG;
+    default:
+      break;
   }
   throw Failure(ncclInvalidArgument,
                 "reduction " + std::to_string(static_cast<int>(op)) +
@@ -186,8 +207,8 @@ ncclResult_t run(const char* call, ncclComm* comm, Coll c, ncclDataType_t dt, nc
     require_ready(comm);
     c.dtype = map_dtype(dt);
     if (c.root < 0 || c.root >= comm->nranks) {
-      throw Failure(ncclInvalidArgument, "root " + std::to_string(c.root) + " is not a rank of the " +
-                                             comm->where());
+      throw Failure(ncclInvalidArgument,
+                    "root " + std::to_string(c.root) + " is not a rank of the " + comm->where());
     }
     if (c.count == 0) return ncclSuccess;  // as NCCL: nothing to move, nothing submitted
     if (reducing && is_premul(op)) {
@@ -225,15 +246,14 @@ ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count,
              false);
 }
 
-ncclResult_t ncclBcast(void* buff, size_t count, ncclDataType_t datatype, int root,
-                       ncclComm_t comm, cudaStream_t stream) {
+ncclResult_t ncclBcast(void* buff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm,
+                       cudaStream_t stream) {
   return run("ncclBcast", comm, {Kind::broadcast, buff, buff, count, {}, {}, root, stream},
              datatype, ncclSum, false);
 }
 
-ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count,
-                        ncclDataType_t datatype, ncclRedOp_t op, int root, ncclComm_t comm,
-                        cudaStream_t stream) {
+ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
+                        ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t stream) {
   return run("ncclReduce", comm, {Kind::reduce, sendbuff, recvbuff, count, {}, {}, root, stream},
              datatype, op, true);
 }
@@ -249,16 +269,15 @@ ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recv
                                ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
                                cudaStream_t stream) {
   return run("ncclReduceScatter", comm,
-             {Kind::reduce_scatter, sendbuff, recvbuff, recvcount, {}, {}, 0, stream}, datatype,
-             op, true);
+             {Kind::reduce_scatter, sendbuff, recvbuff, recvcount, {}, {}, 0, stream}, datatype, op,
+             true);
 }
 
 // `count` elements to each peer, as libcollective's all-to-all counts them.
 ncclResult_t ncclAlltoAll(const void* sendbuff, void* recvbuff, size_t count,
                           ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream) {
-  return run("ncclAlltoAll", comm,
-             {Kind::all_to_all, sendbuff, recvbuff, count, {}, {}, 0, stream}, datatype, ncclSum,
-             false);
+  return run("ncclAlltoAll", comm, {Kind::all_to_all, sendbuff, recvbuff, count, {}, {}, 0, stream},
+             datatype, ncclSum, false);
 }
 
 }  // extern "C"

@@ -98,10 +98,10 @@ void note_environment(const std::string& socket) {
   std::call_once(once, [&] {
     const Debug d = debug_level();
     if (d >= Debug::version) {
-      log_line("INFO", -1, std::string("collectived libnccl ") + std::to_string(NCCL_MAJOR) + "." +
-                               std::to_string(NCCL_MINOR) + "." + std::to_string(NCCL_PATCH) +
-                               " (libcollective " + collective_version() + ") over daemon " +
-                               socket);
+      log_line("INFO", -1,
+               std::string("collectived libnccl ") + std::to_string(NCCL_MAJOR) + "." +
+                   std::to_string(NCCL_MINOR) + "." + std::to_string(NCCL_PATCH) +
+                   " (libcollective " + collective_version() + ") over daemon " + socket);
     }
     if (d != Debug::version) report_ignored();
   });

@@ -29,20 +29,26 @@ const char* copy_out(const std::string& text) {
 
 ncclResult_t to_nccl(collective_result_t r) {
   switch (r) {
-    case COLLECTIVE_OK: return ncclSuccess;
+    case COLLECTIVE_OK:
+      return ncclSuccess;
     case COLLECTIVE_INVALID_ARGUMENT:
-    case COLLECTIVE_NOT_FOUND: return ncclInvalidArgument;
+    case COLLECTIVE_NOT_FOUND:
+      return ncclInvalidArgument;
     case COLLECTIVE_INVALID_USAGE:
-    case COLLECTIVE_MISMATCH: return ncclInvalidUsage;
+    case COLLECTIVE_MISMATCH:
+      return ncclInvalidUsage;
     case COLLECTIVE_REMOTE_ERROR:
     case COLLECTIVE_TIMEOUT:
-    case COLLECTIVE_ABORTED: return ncclRemoteError;
+    case COLLECTIVE_ABORTED:
+      return ncclRemoteError;
     case COLLECTIVE_SYSTEM_ERROR:
     case COLLECTIVE_PERMISSION_DENIED:
     case COLLECTIVE_UNAVAILABLE:
-    case COLLECTIVE_RESOURCE_EXHAUSTED: return ncclSystemError;
+    case COLLECTIVE_RESOURCE_EXHAUSTED:
+      return ncclSystemError;
     case COLLECTIVE_PROTOCOL_ERROR:
-    case COLLECTIVE_INTERNAL_ERROR: return ncclInternalError;
+    case COLLECTIVE_INTERNAL_ERROR:
+      return ncclInternalError;
   }
   return ncclInternalError;
 }
@@ -56,9 +62,9 @@ ncclResult_t fail(ncclResult_t code, const std::string& message) {
   return code;
 }
 
-void check(collective_result_t r, const char* call) {
+void check(collective_result_t r) {
   if (r == COLLECTIVE_OK) return;
-  throw Failure(to_nccl(r), std::string(call) + ": " + collective_last_error());
+  throw Failure(to_nccl(r), collective_last_error());  // names the libcollective call
 }
 
 }  // namespace collectived::nccl
@@ -71,20 +77,25 @@ extern "C" {
 // ours says where collectived's message is (NCCL_DEBUG shows nothing more).
 const char* ncclGetErrorString(ncclResult_t result) {
   switch (result) {
-    case ncclSuccess: return "no error";
+    case ncclSuccess:
+      return "no error";
     case ncclUnhandledCudaError:
       return "unhandled cuda error (ncclGetLastError() names the CUDA call)";
     case ncclSystemError:
       return "unhandled system error (ncclGetLastError() has collectived's message)";
     case ncclInternalError:
       return "internal error (ncclGetLastError() has collectived's message)";
-    case ncclInvalidArgument: return "invalid argument (ncclGetLastError() says which)";
-    case ncclInvalidUsage: return "invalid usage (ncclGetLastError() says which)";
+    case ncclInvalidArgument:
+      return "invalid argument (ncclGetLastError() says which)";
+    case ncclInvalidUsage:
+      return "invalid usage (ncclGetLastError() says which)";
     case ncclRemoteError:
       return "remote process exited or there was a network error (ncclGetLastError() names "
              "the rank and node)";
-    case ncclInProgress: return "NCCL operation in progress";
-    default: return "unknown result code";
+    case ncclInProgress:
+      return "NCCL operation in progress";
+    default:
+      return "unknown result code";
   }
 }
 

@@ -44,9 +44,8 @@ void join_streams(const std::vector<cudaStream_t>& streams, bool before) {
     cu::Event ev = nullptr;
     cuda_check(d.cuEventCreate(&ev, cu::kEventDisableTiming), "cuEventCreate");
     const cu::Result a = d.cuEventRecord(ev, reinterpret_cast<cu::Stream>(from));
-    const cu::Result b = a == cu::kSuccess
-                             ? d.cuStreamWaitEvent(reinterpret_cast<cu::Stream>(to), ev, 0)
-                             : a;
+    const cu::Result b =
+        a == cu::kSuccess ? d.cuStreamWaitEvent(reinterpret_cast<cu::Stream>(to), ev, 0) : a;
     d.cuEventDestroy(ev);  // released once recorded work completes
     cuda_check(b, "ordering the group's streams (cuEventRecord, cuStreamWaitEvent)");
   };
@@ -70,7 +69,7 @@ void submit_group(const Pending& p) {
     }
   }
   join_streams(streams, true);
-  check(collective_group_start(comm->coll), "collective_group_start");
+  check(collective_group_start(comm->coll));
   collective_result_t rc = COLLECTIVE_OK;
   std::string why;
   for (const P2P& it : p.items) {
@@ -118,8 +117,8 @@ ncclResult_t flush() {
 
 /// Checks a send or receive when it is made (so that the group, once
 /// started in libcollective, is submitted whole) and queues it.
-void queue(bool is_send, void* buf, std::size_t count, ncclDataType_t dt,
-           int peer, ncclComm* comm, cudaStream_t stream) {
+void queue(bool is_send, void* buf, std::size_t count, ncclDataType_t dt, int peer, ncclComm* comm,
+           cudaStream_t stream) {
   require_ready(comm);
   const collective_dtype_t dtype = map_dtype(dt);
   if (peer < 0 || peer >= comm->nranks) {
@@ -129,11 +128,11 @@ void queue(bool is_send, void* buf, std::size_t count, ncclDataType_t dt,
   if (count == 0) return;  // nothing to move: both sides skip it
   if (comm->ctx != nullptr) {
     unsigned type = 0;
-    const cu::Result r = driver().cuPointerGetAttribute(
-        &type, cu::kPointerAttributeMemoryType, reinterpret_cast<cu::DevicePtr>(buf));
+    const cu::Result r = driver().cuPointerGetAttribute(&type, cu::kPointerAttributeMemoryType,
+                                                        reinterpret_cast<cu::DevicePtr>(buf));
     if (r != cu::kSuccess || type != cu::kMemoryTypeDevice) {
-      throw Failure(ncclInvalidArgument, std::string(is_send ? "sendbuff" : "recvbuff") +
-                                             " is not device memory");
+      throw Failure(ncclInvalidArgument,
+                    std::string(is_send ? "sendbuff" : "recvbuff") + " is not device memory");
     }
   }
   auto it = std::find_if(t_pending.begin(), t_pending.end(),
@@ -232,14 +231,13 @@ ncclResult_t rooted(const char* call, bool gather, const void* sendbuff, void* r
 
 extern "C" {
 
-ncclResult_t ncclGather(const void* sendbuff, void* recvbuff, size_t count,
-                        ncclDataType_t datatype, int root, ncclComm_t comm, cudaStream_t stream) {
+ncclResult_t ncclGather(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
+                        int root, ncclComm_t comm, cudaStream_t stream) {
   return rooted("ncclGather", true, sendbuff, recvbuff, count, datatype, root, comm, stream);
 }
 
 ncclResult_t ncclScatter(const void* sendbuff, void* recvbuff, size_t count,
-                         ncclDataType_t datatype, int root, ncclComm_t comm,
-                         cudaStream_t stream) {
+                         ncclDataType_t datatype, int root, ncclComm_t comm, cudaStream_t stream) {
   return rooted("ncclScatter", false, sendbuff, recvbuff, count, datatype, root, comm, stream);
 }
 

@@ -21,8 +21,8 @@ static_assert(sizeof(ncclUniqueId) == sizeof(collective_unique_id_t),
               "NCCL's unique id carries libcollective's");
 
 std::string ncclComm::where() const {
-  return "communicator rank " + std::to_string(rank) + " of " + std::to_string(nranks) +
-         (device >= 0 ? " on CUDA device " + std::to_string(device) : " without a CUDA device");
+  return "communicator (rank " + std::to_string(rank) + " of " + std::to_string(nranks) +
+         (device >= 0 ? ", CUDA device " + std::to_string(device) + ")" : ", no CUDA device)");
 }
 
 namespace collectived::nccl {
@@ -44,8 +44,9 @@ Config parse_config(const ncclConfig_t* config) {
     std::memcpy(&size, config, sizeof size);
     std::memcpy(static_cast<void*>(&c), config, std::min(size, sizeof c));
     if (c.magic != NCCL_CONFIG_MAGIC) {
-      throw Failure(ncclInvalidArgument,
-                    "the ncclConfig_t was not made from NCCL_CONFIG_INITIALIZER (its magic is wrong)");
+      throw Failure(
+          ncclInvalidArgument,
+          "the ncclConfig_t was not made from NCCL_CONFIG_INITIALIZER (its magic is wrong)");
     }
     if (c.version >= NCCL_VERSION(2, 14, 0)) blocking = c.blocking;
     if (blocking != NCCL_CONFIG_UNDEF_INT && blocking != 0 && blocking != 1) {
@@ -66,12 +67,12 @@ struct Outcome {
   collective_comm_t* made = nullptr;
 };
 
-Outcome outcome_of(collective_result_t r, const char* what, collective_comm_t* made) {
+Outcome outcome_of(collective_result_t r, collective_comm_t* made) {
   Outcome o;
   o.made = made;
   if (r != COLLECTIVE_OK) {
     o.rc = to_nccl(r);
-    o.message = std::string(what) + ": " + collective_last_error();
+    o.message = collective_last_error();  // names the libcollective call
   }
   return o;
 }
@@ -88,7 +89,7 @@ Outcome join(ncclComm* comm, const ncclUniqueId& id) {
     comm->client = reconnect_process_client(comm->client);
     r = collective_comm_init_rank(comm->client, cid, comm->nranks, comm->rank, &made);
   }
-  return outcome_of(r, "collective_comm_init_rank", made);
+  return outcome_of(r, made);
 }
 
 void log_ready(const ncclComm* comm) {
@@ -152,11 +153,12 @@ ncclComm* make_comm(const char* call, int nranks, const ncclUniqueId& id, int ra
                                            std::to_string(nranks) + " is out of range");
   }
   auto comm = std::make_unique<ncclComm>();
+  // The device first: without one (no driver) the daemon is not asked.
+  if (!host_only()) comm->ctx = bind_context(device, comm->device);
   comm->client = process_client();
   comm->rank = rank;
   comm->nranks = nranks;
   comm->blocking = cfg.blocking;
-  if (!host_only()) comm->ctx = bind_context(device, comm->device);
   if (!cfg.blocking) {
     ncclComm* c = comm.release();
     std::lock_guard lock(c->mu);
@@ -185,8 +187,8 @@ ncclResult_t init_rank(const char* call, ncclComm_t* out, int nranks, const nccl
 /// returns only when all have joined.
 void init_all(ncclComm_t* comms, int ndev, const int* devlist) {
   ncclUniqueId id;
-  check(collective_get_unique_id(process_client(), reinterpret_cast<collective_unique_id_t*>(&id)),
-        "collective_get_unique_id");
+  auto* cid = reinterpret_cast<collective_unique_id_t*>(&id);
+  check(collective_get_unique_id(process_client(), cid));
   std::vector<std::unique_ptr<Failure>> failed(static_cast<std::size_t>(ndev));
   std::vector<std::thread> threads;
   for (int i = 0; i < ndev; ++i) {
@@ -197,7 +199,8 @@ void init_all(ncclComm_t* comms, int ndev, const int* devlist) {
       } catch (const Failure& f) {
         failed[static_cast<std::size_t>(i)] = std::make_unique<Failure>(f);
       } catch (const std::exception& e) {
-        failed[static_cast<std::size_t>(i)] = std::make_unique<Failure>(ncclInternalError, e.what());
+        failed[static_cast<std::size_t>(i)] =
+            std::make_unique<Failure>(ncclInternalError, e.what());
       }
     });
   }
@@ -248,8 +251,7 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId) {
   return guarded("ncclGetUniqueId", [&] {
     if (uniqueId == nullptr) throw Failure(ncclInvalidArgument, "uniqueId is NULL");
     check(collective_get_unique_id(process_client(),
-                                   reinterpret_cast<collective_unique_id_t*>(uniqueId)),
-          "collective_get_unique_id");
+                                   reinterpret_cast<collective_unique_id_t*>(uniqueId)));
     return ncclSuccess;
   });
 }
@@ -295,8 +297,8 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
     auto split = [comm, c, key] {
       ContextScope scope(comm->ctx);
       collective_comm_t* made = nullptr;
-      return outcome_of(collective_comm_split(comm->coll, c, key, &made), "collective_comm_split",
-                        made);
+      const collective_result_t r = collective_comm_split(comm->coll, c, key, &made);
+      return outcome_of(r, made);
     };
     auto child = std::make_unique<ncclComm>();
     child->client = comm->client;
@@ -353,7 +355,7 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
     collective_comm_t* coll = comm->coll;
     comm->coll = nullptr;
     delete comm;
-    if (coll != nullptr) check(collective_comm_destroy(coll), "collective_comm_destroy");
+    if (coll != nullptr) check(collective_comm_destroy(coll));
     return ncclSuccess;
   });
 }

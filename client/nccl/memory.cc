@@ -22,12 +22,14 @@ extern "C" {
 // kind to share (PyTorch asks for it only with its NCCL memory pool).
 ncclResult_t ncclMemAlloc(void** ptr, size_t size) {
   return guarded("ncclMemAlloc", [&] {
-    if (ptr == nullptr || size == 0) throw Failure(ncclInvalidArgument, "ptr must be set and size positive");
+    if (ptr == nullptr || size == 0)
+      throw Failure(ncclInvalidArgument, "ptr must be set and size positive");
     *ptr = nullptr;
     int device = -1;
     ContextScope scope(bind_context(-1, device));
     cu::DevicePtr p = 0;
-    cuda_check(driver().cuMemAlloc(&p, size), ("cuMemAlloc of " + std::to_string(size) + " bytes").c_str());
+    cuda_check(driver().cuMemAlloc(&p, size),
+               ("cuMemAlloc of " + std::to_string(size) + " bytes").c_str());
     *ptr = reinterpret_cast<void*>(p);
     return ncclSuccess;
   });
@@ -40,7 +42,8 @@ ncclResult_t ncclMemFree(void* ptr) {
     const collectived::gpu::CudaDriver& d = driver();
     if (collective_client_t* c = existing_process_client()) collective_gpu_deregister(c, ptr);
     cu::Context ctx = nullptr;
-    d.cuPointerGetAttribute(&ctx, cu::kPointerAttributeContext, reinterpret_cast<cu::DevicePtr>(ptr));
+    d.cuPointerGetAttribute(&ctx, cu::kPointerAttributeContext,
+                            reinterpret_cast<cu::DevicePtr>(ptr));
     ContextScope scope(ctx);
     cuda_check(d.cuMemFree(reinterpret_cast<cu::DevicePtr>(ptr)), "cuMemFree");
     return ncclSuccess;
@@ -51,12 +54,13 @@ ncclResult_t ncclMemFree(void* ptr) {
 // instead of at its first operation.
 ncclResult_t ncclCommRegister(const ncclComm_t comm, void* buff, size_t size, void** handle) {
   return guarded("ncclCommRegister", [&] {
-    if (handle == nullptr || buff == nullptr) throw Failure(ncclInvalidArgument, "buff and handle must be set");
+    if (handle == nullptr || buff == nullptr)
+      throw Failure(ncclInvalidArgument, "buff and handle must be set");
     *handle = nullptr;
     require_ready(comm);
     (void)size;  // the registration covers the whole allocation
     ContextScope scope(comm->ctx);
-    check(collective_gpu_register(comm->client, buff, nullptr), "collective_gpu_register");
+    check(collective_gpu_register(comm->client, buff, nullptr));
     *handle = new Registration{comm->client, buff};
     return ncclSuccess;
   });
@@ -66,11 +70,12 @@ ncclResult_t ncclCommRegister(const ncclComm_t comm, void* buff, size_t size, vo
 // deregistration ends it (a later operation registers it again).
 ncclResult_t ncclCommDeregister(const ncclComm_t comm, void* handle) {
   return guarded("ncclCommDeregister", [&] {
-    if (comm == nullptr || handle == nullptr) throw Failure(ncclInvalidArgument, "comm and handle must be set");
+    if (comm == nullptr || handle == nullptr)
+      throw Failure(ncclInvalidArgument, "comm and handle must be set");
     auto* reg = static_cast<Registration*>(handle);
     const collective_result_t r = collective_gpu_deregister(reg->client, reg->buffer);
     delete reg;
-    if (r != COLLECTIVE_NOT_FOUND) check(r, "collective_gpu_deregister");
+    if (r != COLLECTIVE_NOT_FOUND) check(r);
     return ncclSuccess;
   });
 }

@@ -21,7 +21,8 @@ asm(".section .rodata\n"
     ".globl collectived_nccl_premul_begin\n"
     ".hidden collectived_nccl_premul_begin\n"
     "collectived_nccl_premul_begin:\n"
-    ".incbin \"" COLLECTIVED_NCCL_PREMUL_FATBIN "\"\n"
+    ".incbin \"" COLLECTIVED_NCCL_PREMUL_FATBIN
+    "\"\n"
     ".globl collectived_nccl_premul_end\n"
     ".hidden collectived_nccl_premul_end\n"
     "collectived_nccl_premul_end:\n"
@@ -70,8 +71,9 @@ Premul& state(ncclComm* comm) {
   std::lock_guard lock(comm->mu);
   if (comm->premul != nullptr) return *comm->premul;
 #ifndef COLLECTIVED_NCCL_PREMUL_FATBIN
-  throw Failure(ncclInvalidUsage, "this libnccl was built without CUDA (no nvcc): it has no "
-                                  "kernel to scale PreMulSum's inputs");
+  throw Failure(ncclInvalidUsage,
+                "this libnccl was built without CUDA (no nvcc): it has no "
+                "kernel to scale PreMulSum's inputs");
 #else
   const gpu::CudaDriver& d = driver();
   ContextScope scope(comm->ctx);
@@ -119,10 +121,12 @@ void submit_premul(ncclComm* comm, ncclRedOp_t op, Coll c) {
     p = comm->premul;
   }
   const std::size_t index = static_cast<std::size_t>(op) - ncclNumOps;
-  if (p == nullptr) throw Failure(ncclInvalidArgument, "the PreMulSum op is not this communicator's");
+  if (p == nullptr)
+    throw Failure(ncclInvalidArgument, "the PreMulSum op is not this communicator's");
   std::lock_guard lock(p->mu);
   if (index >= p->ops.size() || !p->ops[index].live) {
-    throw Failure(ncclInvalidArgument, "the PreMulSum op is not this communicator's (or destroyed)");
+    throw Failure(ncclInvalidArgument,
+                  "the PreMulSum op is not this communicator's (or destroyed)");
   }
   const Op& o = p->ops[index];
   if (o.dtype != c.dtype) {
@@ -142,9 +146,11 @@ void submit_premul(ncclComm* comm, ncclRedOp_t op, Coll c) {
   const void* device = o.device;
   unsigned long long bits = o.bits;
   void* args[] = {&in, &out, const_cast<unsigned long long*>(&n), &device, &bits};
-  const unsigned blocks = static_cast<unsigned>(std::min<unsigned long long>((n + 255) / 256, 1024));
-  cuda_check(d.cuLaunchKernel(p->kernels[c.dtype], blocks, 1, 1, 256, 1, 1, 0, stream, args, nullptr),
-             "cuLaunchKernel of PreMulSum's scaling");
+  const unsigned blocks =
+      static_cast<unsigned>(std::min<unsigned long long>((n + 255) / 256, 1024));
+  cuda_check(
+      d.cuLaunchKernel(p->kernels[c.dtype], blocks, 1, 1, 256, 1, 1, 0, stream, args, nullptr),
+      "cuLaunchKernel of PreMulSum's scaling");
   c.send = out;
   c.redop = COLLECTIVE_SUM;
   submit(comm, c);
@@ -193,10 +199,12 @@ ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t* op, void* scalar, ncclDataTyp
     } else if (residence == ncclScalarDevice) {
       o.device = scalar;
     } else {
-      throw Failure(ncclInvalidArgument, "residence " + std::to_string(static_cast<int>(residence)) +
-                                             " is neither ncclScalarDevice nor ncclScalarHostImmediate");
+      throw Failure(ncclInvalidArgument,
+                    "residence " + std::to_string(static_cast<int>(residence)) +
+                        " is neither ncclScalarDevice nor ncclScalarHostImmediate");
     }
-    if (comm->ctx == nullptr) throw Failure(ncclInvalidUsage, "the communicator has no CUDA device");
+    if (comm->ctx == nullptr)
+      throw Failure(ncclInvalidUsage, "the communicator has no CUDA device");
     Premul& p = state(comm);
     std::lock_guard lock(p.mu);
     auto free_slot = std::find_if(p.ops.begin(), p.ops.end(), [](const Op& x) { return !x.live; });

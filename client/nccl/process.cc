@@ -41,11 +41,8 @@ collective_client_t* connect_locked() {
   collective_client_t* c = nullptr;
   // NULL: libcollective's own choice, which socket_path() mirrors for the messages.
   const collective_result_t r = collective_connect(nullptr, name.c_str(), &c);
-  if (r != COLLECTIVE_OK) {
-    throw Failure(to_nccl(r), std::string("cannot reach the node's collectived at ") + path +
-                                  ": " + collective_last_error() +
-                                  " (COLLECTIVED_SOCKET chooses the daemon)");
-  }
+  // Its message names the socket and where the path came from.
+  if (r != COLLECTIVE_OK) throw Failure(to_nccl(r), collective_last_error());
   return c;
 }
 

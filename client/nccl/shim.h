@@ -40,8 +40,8 @@ ncclResult_t to_nccl(collective_result_t r);
 /// at NCCL_DEBUG=WARN and returns `code`.
 ncclResult_t fail(ncclResult_t code, const std::string& message);
 /// Throws Failure for a libcollective result other than OK, with
-/// collective_last_error() (which names communicator, rank and node).
-void check(collective_result_t r, const char* call);
+/// collective_last_error() (which names the call, communicator, rank and node).
+void check(collective_result_t r);
 
 /// Runs `fn` (returning ncclResult_t); exceptions become failures of `call`.
 template <typename Fn>
