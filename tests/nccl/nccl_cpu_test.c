@@ -17,15 +17,15 @@
 
 #include "client/nccl/nccl.h"
 
-#define NCCL_CALLS(X)                                                                           \
-  X(ncclGetVersion)                                                                             \
-  X(ncclGetErrorString) X(ncclGetLastError) X(ncclGetUniqueId) X(ncclCommInitRank)              \
-      X(ncclCommInitRankConfig) X(ncclCommInitAll) X(ncclCommInitRankScalable) X(ncclCommCount) \
-          X(ncclCommUserRank) X(ncclCommCuDevice) X(ncclCommGetAsyncError) X(ncclCommSplit)     \
-              X(ncclCommFinalize) X(ncclCommDestroy) X(ncclCommAbort) X(ncclAllReduce)          \
-                  X(ncclCommWindowRegister) X(ncclGroupSimulateEnd) X(ncclCommShrink)           \
-                      X(ncclGroupStart) X(ncclGroupEnd) X(ncclSend) X(ncclRedOpCreatePreMulSum) \
-                          X(ncclRedOpDestroy)
+#define NCCL_CALLS(X)                                                                         \
+  X(ncclGetVersion)                                                                           \
+  X(ncclGetErrorString)                                                                       \
+  X(ncclGetLastError) X(ncclGetUniqueId) X(ncclCommInitRank) X(ncclCommInitRankConfig)        \
+      X(ncclCommInitAll) X(ncclCommInitRankScalable) X(ncclCommCount) X(ncclCommUserRank)     \
+          X(ncclCommCuDevice) X(ncclCommGetAsyncError) X(ncclCommSplit) X(ncclCommFinalize)   \
+              X(ncclCommDestroy) X(ncclCommAbort) X(ncclAllReduce) X(ncclCommWindowRegister)  \
+                  X(ncclGroupSimulateEnd) X(ncclCommShrink) X(ncclGroupStart) X(ncclGroupEnd) \
+                      X(ncclSend) X(ncclRedOpCreatePreMulSum) X(ncclRedOpDestroy)
 #define DECLARE(f) static __typeof__(&f) p_##f;
 NCCL_CALLS(DECLARE)
 

@@ -26,13 +26,13 @@ typedef struct {
   char log[128];
 } test_daemon;
 
-static double test_now_s(void) {
+static inline double test_now_s(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
   return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
 }
 
-static int test_daemon_answers(const char* path) {
+static inline int test_daemon_answers(const char* path) {
   struct sockaddr_un addr;
   memset(&addr, 0, sizeof addr);
   addr.sun_family = AF_UNIX;
@@ -46,7 +46,7 @@ static int test_daemon_answers(const char* path) {
   return ok;
 }
 
-static void test_daemon_dump_log(const test_daemon* d) {
+static inline void test_daemon_dump_log(const test_daemon* d) {
   FILE* f = fopen(d->log, "r");
   if (f == NULL) return;
   fprintf(stderr, "--- collectived's log (%s):\n", d->log);
@@ -56,7 +56,7 @@ static void test_daemon_dump_log(const test_daemon* d) {
 }
 
 /* `sets`: profile overrides (KEY=VALUE), NULL-terminated. 0: up. */
-static int test_daemon_start(test_daemon* d, const char* bin, const char* const* sets) {
+static inline int test_daemon_start(test_daemon* d, const char* bin, const char* const* sets) {
   memset(d, 0, sizeof *d);
   strcpy(d->dir, "/tmp/nccl-test-XXXXXX");
   if (mkdtemp(d->dir) == NULL) return -1;
@@ -105,7 +105,7 @@ static int test_daemon_start(test_daemon* d, const char* bin, const char* const*
   return -1;
 }
 
-static void test_daemon_stop(test_daemon* d) {
+static inline void test_daemon_stop(test_daemon* d) {
   if (d->pid > 0) {
     kill(d->pid, SIGTERM);
     const double until = test_now_s() + 10;
