@@ -34,6 +34,7 @@ struct Pending {
 thread_local int t_depth = 0;
 thread_local ncclResult_t t_error = ncclSuccess;
 thread_local std::vector<Pending> t_pending;
+thread_local std::vector<ncclComm*> t_inits;  // blocking inits made in the group
 
 /// Where one communicator's items name several streams, the group runs on
 /// the first: it waits for the others' work before, and they for it after.
@@ -96,10 +97,24 @@ void submit_group(const Pending& p) {
 }
 
 /// The outermost ncclGroupEnd: every communicator's sends and receives.
+/// The group's communicator inits, done (each on its job thread); the first failure.
+ncclResult_t finish_inits() {
+  std::vector<ncclComm*> inits;
+  inits.swap(t_inits);
+  ncclResult_t first = ncclSuccess;
+  for (ncclComm* c : inits) {
+    if (c->job.joinable()) c->job.join();
+    std::lock_guard lock(c->mu);
+    if (first == ncclSuccess) first = c->error;
+  }
+  return first;
+}
+
 ncclResult_t flush() {
   std::vector<Pending> pending;
   pending.swap(t_pending);
-  const ncclResult_t earlier = t_error;
+  const ncclResult_t inits = finish_inits();
+  const ncclResult_t earlier = t_error != ncclSuccess ? t_error : inits;
   t_error = ncclSuccess;
   // As NCCL: a call that failed inside the group fails the whole group,
   // and nothing of it is submitted.
@@ -165,6 +180,8 @@ bool in_group() { return t_depth > 0; }
 void group_failed(ncclResult_t code) {
   if (t_depth > 0 && t_error == ncclSuccess) t_error = code;
 }
+
+void init_in_group(ncclComm* comm) { t_inits.push_back(comm); }
 
 }  // namespace collectived::nccl
 

@@ -159,10 +159,15 @@ ncclComm* make_comm(const char* call, int nranks, const ncclUniqueId& id, int ra
   comm->rank = rank;
   comm->nranks = nranks;
   comm->blocking = cfg.blocking;
-  if (!cfg.blocking) {
+  // Inside a group a blocking init waits at the outermost ncclGroupEnd, as
+  // NCCL's: one thread may init several ranks of one communicator in a group
+  // (nccl-tests with several GPUs per process), and each init returns only
+  // when all ranks have joined.
+  if (!cfg.blocking || in_group()) {
     ncclComm* c = comm.release();
     std::lock_guard lock(c->mu);
     start_job(c, call, [c, id] { return join(c, id); });
+    if (cfg.blocking) init_in_group(c);
     return c;
   }
   Outcome o = join(comm.get(), id);
@@ -179,7 +184,7 @@ ncclResult_t init_rank(const char* call, ncclComm_t* out, int nranks, const nccl
     *out = nullptr;
     const Config cfg = parse_config(config);
     *out = make_comm(call, nranks, id, rank, cfg, -1);
-    return cfg.blocking ? ncclSuccess : ncclInProgress;
+    return cfg.blocking ? ncclSuccess : ncclInProgress;  // in a group: its end says
   });
 }
 

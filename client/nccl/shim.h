@@ -170,6 +170,8 @@ void drop_requests(ncclComm* comm);
 bool in_group();
 /// A failure inside a group: ncclGroupEnd returns the first one.
 void group_failed(ncclResult_t code);
+/// A blocking init inside a group: the outermost ncclGroupEnd waits for it.
+void init_in_group(ncclComm* comm);
 
 // --- premul.cc ---
 /// `op` is one of ncclRedOpCreatePreMulSum's.

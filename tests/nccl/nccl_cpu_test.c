@@ -6,8 +6,8 @@
  * (the error says so). Then, against a real collectived and with
  * COLLECTIVED_NCCL_HOST_ONLY=1 (communicators without a device), the set-up
  * calls: ids, blocking and non-blocking init, a rendezvous that times out,
- * abort during init, InitAll, InitRankScalable, split, finalize, destroy,
- * groups, and the errors of calls that are refused. Collectives on GPU
+ * abort during init, InitAll, inits in a group, InitRankScalable, split,
+ * finalize, destroy, groups, and the errors of calls that are refused. Collectives on GPU
  * buffers are tests/nccl/nccl_gpu_test's.
  *
  * usage: nccl_cpu_test LIBNCCL COLLECTIVED */
@@ -17,15 +17,16 @@
 
 #include "client/nccl/nccl.h"
 
-#define NCCL_CALLS(X)                                                                         \
-  X(ncclGetVersion)                                                                           \
-  X(ncclGetErrorString)                                                                       \
-  X(ncclGetLastError) X(ncclGetUniqueId) X(ncclCommInitRank) X(ncclCommInitRankConfig)        \
-      X(ncclCommInitAll) X(ncclCommInitRankScalable) X(ncclCommCount) X(ncclCommUserRank)     \
-          X(ncclCommCuDevice) X(ncclCommGetAsyncError) X(ncclCommSplit) X(ncclCommFinalize)   \
-              X(ncclCommDestroy) X(ncclCommAbort) X(ncclAllReduce) X(ncclCommWindowRegister)  \
-                  X(ncclGroupSimulateEnd) X(ncclCommShrink) X(ncclGroupStart) X(ncclGroupEnd) \
-                      X(ncclSend) X(ncclRedOpCreatePreMulSum) X(ncclRedOpDestroy)
+#define NCCL_CALLS(X)                                                                             \
+  X(ncclGetVersion)                                                                               \
+  X(ncclGetErrorString)                                                                           \
+  X(ncclGetLastError)                                                                             \
+  X(ncclGetUniqueId) X(ncclCommInitRank) X(ncclCommInitRankConfig) X(ncclCommInitAll)             \
+      X(ncclCommInitRankScalable) X(ncclCommCount) X(ncclCommUserRank) X(ncclCommCuDevice)        \
+          X(ncclCommGetAsyncError) X(ncclCommSplit) X(ncclCommFinalize) X(ncclCommDestroy)        \
+              X(ncclCommAbort) X(ncclAllReduce) X(ncclCommWindowRegister) X(ncclGroupSimulateEnd) \
+                  X(ncclCommShrink) X(ncclGroupStart) X(ncclGroupEnd) X(ncclSend)                 \
+                      X(ncclRedOpCreatePreMulSum) X(ncclRedOpDestroy)
 #define DECLARE(f) static __typeof__(&f) p_##f;
 NCCL_CALLS(DECLARE)
 
@@ -191,6 +192,18 @@ static void with_daemon(const char* bin) {
   EXPECT_OK(p_ncclCommInitAll(all, 2, NULL), all[0] && all[1],
             "ncclCommInitAll, 2 ranks in one process");
   for (int i = 0; i < 2; ++i) p_ncclCommDestroy(all[i]);
+  /* nccl-tests' way with several GPUs per process: the inits of one thread in a group. */
+  ncclComm_t g[2] = {NULL, NULL};
+  int gn = 0;
+  EXPECT_OK(p_ncclGetUniqueId(&id), 1, "ncclGetUniqueId");
+  p_ncclGroupStart();
+  const ncclResult_t g0 = p_ncclCommInitRank(&g[0], 2, id, 0);
+  const ncclResult_t g1 = p_ncclCommInitRank(&g[1], 2, id, 1);
+  EXPECT_OK(p_ncclGroupEnd(), g0 == ncclSuccess && g1 == ncclSuccess && g[0] && g[1],
+            "2 ranks' ncclCommInitRank in one thread's group, done at ncclGroupEnd");
+  p_ncclCommCount(g[1], &gn);
+  expect(gn == 2, "... count 2", NULL);
+  for (int i = 0; i < 2; ++i) p_ncclCommDestroy(g[i]);
   ncclUniqueId ids[2];
   p_ncclGetUniqueId(&ids[0]);
   p_ncclGetUniqueId(&ids[1]);
