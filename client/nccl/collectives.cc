@@ -143,6 +143,7 @@ void drop_requests(ncclComm* comm) {
 
 void submit(ncclComm* comm, const Coll& c) {
   ContextScope scope(comm->ctx);
+  check_stream(comm, c.stream);
   collective_comm_t* k = comm->coll;
   collective_request_t* r = nullptr;
   collective_result_t rc = COLLECTIVE_OK;

@@ -69,6 +69,7 @@ void submit_group(const Pending& p) {
       streams.push_back(it.stream);
     }
   }
+  for (cudaStream_t s : streams) check_stream(comm, s);
   join_streams(streams, true);
   check(collective_group_start(comm->coll));
   collective_result_t rc = COLLECTIVE_OK;

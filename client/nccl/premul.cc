@@ -138,6 +138,7 @@ void submit_premul(ncclComm* comm, ncclRedOp_t op, Coll c) {
       c.count * (c.kind == Kind::reduce_scatter ? static_cast<std::size_t>(comm->nranks) : 1);
   const gpu::CudaDriver& d = driver();
   ContextScope scope(comm->ctx);
+  check_stream(comm, c.stream);
   reserve(comm, *p, n * collective_dtype_size(c.dtype));
   auto stream = reinterpret_cast<cu::Stream>(c.stream);
   if (p->used) cuda_check(d.cuStreamWaitEvent(stream, p->last_use, 0), "cuStreamWaitEvent");

@@ -119,6 +119,17 @@ cu::Context bind_context(int device, int& ordinal) {
   return ctx;
 }
 
+void check_stream(const ncclComm* comm, cudaStream_t stream) {
+  if (comm->ctx == nullptr || stream == nullptr) return;
+  cu::Context ctx = nullptr;
+  cuda_check(driver().cuStreamGetCtx(reinterpret_cast<cu::Stream>(stream), &ctx),
+             "cuStreamGetCtx of the stream");
+  if (ctx != comm->ctx) {
+    throw Failure(ncclInvalidArgument, "the stream belongs to another CUDA context than the " +
+                                           comm->where() + "'s (another device?)");
+  }
+}
+
 ContextScope::ContextScope(cu::Context ctx) {
   if (ctx == nullptr) return;
   const gpu::CudaDriver& d = driver();

@@ -90,6 +90,10 @@ void cuda_check(cu::Result r, const char* what);
 /// context made current, as the CUDA runtime does for a first call.
 cu::Context bind_context(int device, int& ordinal);
 
+/// Throws Failure(ncclInvalidArgument) where `stream` is not of the
+/// communicator's context (NULL: the legacy stream of whichever is current).
+void check_stream(const ncclComm* comm, cudaStream_t stream);
+
 /// Makes `ctx` current for a scope where it is not already.
 class ContextScope {
  public:
