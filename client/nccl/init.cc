@@ -85,7 +85,8 @@ Outcome join(ncclComm* comm, const ncclUniqueId& id) {
   collective_comm_t* made = nullptr;
   collective_result_t r =
       collective_comm_init_rank(comm->client, cid, comm->nranks, comm->rank, &made);
-  if (r == COLLECTIVE_UNAVAILABLE) {
+  collective_status_t status;
+  if (r == COLLECTIVE_UNAVAILABLE && collective_status(comm->client, &status) != COLLECTIVE_OK) {
     comm->client = reconnect_process_client(comm->client);
     r = collective_comm_init_rank(comm->client, cid, comm->nranks, comm->rank, &made);
   }
@@ -120,7 +121,16 @@ void start_job(ncclComm* comm, const char* call, std::function<Outcome()> work) 
   if (comm->job.joinable()) comm->job.join();  // the previous job is over (busy is false)
   comm->busy = true;
   comm->job = std::thread([comm, call, work = std::move(work)] {
-    Outcome o = work();
+    Outcome o;
+    try {
+      o = work();
+    } catch (const Failure& f) {
+      o.rc = f.code();
+      o.message = f.what();
+    } catch (const std::exception& e) {
+      o.rc = ncclInternalError;
+      o.message = e.what();
+    }
     bool orphaned = false;
     {
       std::lock_guard lock(comm->mu);
@@ -255,8 +265,13 @@ ncclResult_t ncclGetVersion(int* version) {
 ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId) {
   return guarded("ncclGetUniqueId", [&] {
     if (uniqueId == nullptr) throw Failure(ncclInvalidArgument, "uniqueId is NULL");
-    check(collective_get_unique_id(process_client(),
-                                   reinterpret_cast<collective_unique_id_t*>(uniqueId)));
+    // The id names this daemon: one that went away (restarted) is reached anew.
+    collective_client_t* client = process_client();
+    collective_status_t status;
+    if (collective_status(client, &status) != COLLECTIVE_OK) {
+      client = reconnect_process_client(client);
+    }
+    check(collective_get_unique_id(client, reinterpret_cast<collective_unique_id_t*>(uniqueId)));
     return ncclSuccess;
   });
 }

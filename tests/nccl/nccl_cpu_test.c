@@ -17,16 +17,17 @@
 
 #include "client/nccl/nccl.h"
 
-#define NCCL_CALLS(X)                                                                             \
-  X(ncclGetVersion)                                                                               \
-  X(ncclGetErrorString)                                                                           \
-  X(ncclGetLastError)                                                                             \
-  X(ncclGetUniqueId) X(ncclCommInitRank) X(ncclCommInitRankConfig) X(ncclCommInitAll)             \
-      X(ncclCommInitRankScalable) X(ncclCommCount) X(ncclCommUserRank) X(ncclCommCuDevice)        \
-          X(ncclCommGetAsyncError) X(ncclCommSplit) X(ncclCommFinalize) X(ncclCommDestroy)        \
-              X(ncclCommAbort) X(ncclAllReduce) X(ncclCommWindowRegister) X(ncclGroupSimulateEnd) \
-                  X(ncclCommShrink) X(ncclGroupStart) X(ncclGroupEnd) X(ncclSend)                 \
-                      X(ncclRedOpCreatePreMulSum) X(ncclRedOpDestroy)
+#define NCCL_CALLS(X)                                                                              \
+  X(ncclGetVersion)                                                                                \
+  X(ncclGetErrorString)                                                                            \
+  X(ncclGetLastError)                                                                              \
+  X(ncclGetUniqueId)                                                                               \
+  X(ncclCommInitRank) X(ncclCommInitRankConfig) X(ncclCommInitAll) X(ncclCommInitRankScalable)     \
+      X(ncclCommCount) X(ncclCommUserRank) X(ncclCommCuDevice) X(ncclCommGetAsyncError)            \
+          X(ncclCommSplit) X(ncclCommFinalize) X(ncclCommDestroy) X(ncclCommAbort)                 \
+              X(ncclAllReduce) X(ncclCommWindowRegister) X(ncclGroupSimulateEnd) X(ncclCommShrink) \
+                  X(ncclGroupStart) X(ncclGroupEnd) X(ncclSend) X(ncclRedOpCreatePreMulSum)        \
+                      X(ncclRedOpDestroy)
 #define DECLARE(f) static __typeof__(&f) p_##f;
 NCCL_CALLS(DECLARE)
 
@@ -213,6 +214,16 @@ static void with_daemon(const char* bin) {
   p_ncclCommDestroy(sc);
   EXPECT_OK(p_ncclCommFinalize(c), p_ncclCommDestroy(c) == ncclSuccess, "finalize and destroy");
   if (g_failed) test_daemon_dump_log(&d);
+  test_daemon_stop(&d);
+  /* The process's connection outlives its daemon: a new one is reached anew. */
+  if (test_daemon_start(&d, bin, sets) != 0) {
+    expect(0, "collectived starts again", bin);
+    return;
+  }
+  setenv("COLLECTIVED_SOCKET", d.socket, 1);
+  EXPECT_OK(p_ncclGetUniqueId(&id), 1, "ncclGetUniqueId after the daemon was replaced");
+  EXPECT_OK(p_ncclCommInitRank(&c, 1, id, 0), c != NULL, "... and ncclCommInitRank on it");
+  p_ncclCommDestroy(c);
   test_daemon_stop(&d);
 }
 
