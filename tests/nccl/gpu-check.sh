@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # There (the GPU machine, from the repository root, $OUT set): collectived's
 # libnccl.so.2 under MPS on GPU 0, from the folder gpu-carry.sh filled here.
-#   tests/nccl/gpu-check.sh tests [CARRY]   nccl_gpu_test with 2, then 3 ranks
+#   tests/nccl/gpu-check.sh tests [CARRY]   nccl_gpu_test with 2, then 3 ranks (RANKS="2 3")
 #   tests/nccl/gpu-check.sh perf [CARRY]    the shim's cost per call: collective-perf -g
 #       (libcollective's stream calls) and nccl-perf through our libnccl.so.2, 2 ranks,
 #       same daemon and sizes; NVIDIA's NCCL (torch's wheel) too where 2 GPUs are
@@ -19,7 +19,7 @@ t "$PART"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
 nvidia-cuda-mps-control -d && echo "MPS started"
 if [ "$PART" = tests ]; then
-  for n in 2 3; do
+  for n in ${RANKS:-2 3}; do
     t "nccl_gpu_test $n"
     timeout 280 "$C/bin/nccl_gpu_test" "$n" > "$OUT/nccl-gpu-$n.log" 2>&1
     echo "rc=$?"
