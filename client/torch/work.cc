@@ -39,12 +39,17 @@ Work::~Work() {
 }
 
 bool Work::isCompleted() {
-  std::lock_guard lock(mutex_);
-  if (exception_ != nullptr) return true;
-  // CUDA: done when the GPU is past the operation (ProcessGroupNCCL's test),
-  // whether or not the daemon's answer has been read yet.
-  if (cuda_ != nullptr) return cuda_->done();
-  return completed_;
+  {
+    std::lock_guard lock(mutex_);
+    if (exception_ != nullptr) return true;
+    // CUDA: done when the GPU is past the operation (ProcessGroupNCCL's test),
+    // whether or not the daemon's answer has been read yet.
+    if (cuda_ != nullptr) return cuda_->done();
+    if (completed_) return true;
+  }
+  // Asked, so Progress settles it (nobody else may).
+  if (!urgent_.exchange(true) && on_settled) on_settled();
+  return false;
 }
 
 bool Work::isSuccess() const {
@@ -176,16 +181,29 @@ Progress::~Progress() {
 void Progress::enqueue(c10::intrusive_ptr<Work> w) {
   w->on_settled = [this] { poke(); };
   w->progress_waits_ = &waiting_for_claim_;
-  const bool urgent = w->urgent();
-  bool was_empty;
+  std::vector<c10::intrusive_ptr<Work>> done;
+  bool wake;
   {
     std::lock_guard lock(mu_);
-    was_empty = queue_.empty();
+    // The Works settled since (by their waiters) go here, so that a caller
+    // who waits for each operation never wakes Progress: each wake-up is a
+    // context switch, which costs most where ranks outnumber cores.
+    while (!queue_.empty() && queue_.front()->settled()) {
+      done.push_back(std::move(queue_.front()));
+      queue_.pop_front();
+      ++completed_;
+    }
+    // Progress is needed only for a Work nobody waits for: one still
+    // pending when the next is submitted, or one whose future, completion
+    // or CUDA work is asked for (urgent, or poked later).
+    wake = !queue_.empty() || w->urgent();
     queue_.push_back(std::move(w));
     ++enqueued_;
   }
-  // Progress sleeps until the head is due; a new Work behind it can wait.
-  if (was_empty || urgent) cv_.notify_all();
+  if (wake) cv_.notify_all();
+  if (!done.empty()) drained_cv_.notify_all();
+  // The last references go here, unlocked (see run()).
+  done.clear();
 }
 
 void Progress::poke() {
@@ -198,7 +216,7 @@ void Progress::drain() {
   const std::uint64_t target = enqueued_;
   for (auto& w : queue_) w->make_urgent();
   cv_.notify_all();
-  cv_.wait(lock, [&] { return completed_ >= target; });
+  drained_cv_.wait(lock, [&] { return completed_ >= target; });
 }
 
 void Progress::run() {
@@ -207,34 +225,40 @@ void Progress::run() {
     cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stopping, nothing left
     c10::intrusive_ptr<Work> w = queue_.front();
-    if (!w->settled()) {
-      // Give a caller about to wait() the chance to settle it on its own
-      // thread; settle it here once it is urgent or has waited long enough.
-      const auto due = w->submitted() + kSettleDelay;
-      if (!stop_ && !w->urgent() && std::chrono::steady_clock::now() < due) {
-        cv_.wait_until(lock, due, [&] { return stop_ || w->urgent() || w->settled(); });
-        continue;
-      }
-      lock.unlock();
-      if (!w->try_settle()) {
-        // A caller is settling it: wait for its poke.
-        lock.lock();
-        waiting_for_claim_ = true;
-        cv_.wait(lock, [&] { return w->settled(); });
-        waiting_for_claim_ = false;
-        lock.unlock();
-      }
-      lock.lock();
-    }
-    queue_.pop_front();
-    ++completed_;
-    cv_.notify_all();
+    step(lock, w);
     // The last reference may free tensors whose owner is Python (the GIL):
     // never with mu_ held, which a thread holding the GIL may be waiting for.
     lock.unlock();
     w.reset();
     lock.lock();
   }
+}
+
+void Progress::step(std::unique_lock<std::mutex>& lock, const c10::intrusive_ptr<Work>& w) {
+  if (!w->settled()) {
+    // Give a caller about to wait() the chance to settle it on its own
+    // thread; settle it here once it is urgent or has waited long enough.
+    const auto due = w->submitted() + kSettleDelay;
+    if (!stop_ && !w->urgent() && std::chrono::steady_clock::now() < due) {
+      cv_.wait_until(lock, due, [&] { return stop_ || w->urgent() || w->settled(); });
+      return;
+    }
+    lock.unlock();
+    if (!w->try_settle()) {
+      // A caller is settling it: wait for its poke.
+      lock.lock();
+      waiting_for_claim_ = true;
+      cv_.wait(lock, [&] { return w->settled(); });
+      waiting_for_claim_ = false;
+      lock.unlock();
+    }
+    lock.lock();
+  }
+  // A submitter may have popped it meanwhile (enqueue pops settled Works).
+  if (queue_.empty() || queue_.front() != w) return;
+  queue_.pop_front();
+  ++completed_;
+  drained_cv_.notify_all();
 }
 
 }  // namespace collectived::torch_backend

@@ -7,8 +7,9 @@
 // caller blocked in wait() settles it on its own thread, so a blocking call
 // costs no hand-off between threads (on a loaded host each hand-off costs a
 // scheduling delay, tens of microseconds); Progress settles the Works nobody
-// waits for: at once where a future or CUDA work needs it, else after
-// kSettleDelay.
+// waits for: at once where a future, is_completed() or CUDA work needs it,
+// else after kSettleDelay once a later Work was submitted behind it. A
+// caller who waits for each operation never wakes Progress.
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -116,8 +117,12 @@ class Progress {
 
  private:
   void run();
+  /// One look at the head `w` (mu_ held by `lock`; released and taken
+  /// again while it settles or waits).
+  void step(std::unique_lock<std::mutex>& lock, const c10::intrusive_ptr<Work>& w);
   std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;          ///< wakes Progress
+  std::condition_variable drained_cv_;  ///< Works popped (drain() waits)
   std::deque<c10::intrusive_ptr<Work>> queue_;
   std::uint64_t enqueued_ = 0, completed_ = 0;
   bool stop_ = false;
