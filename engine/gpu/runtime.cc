@@ -419,6 +419,11 @@ struct Pending {
   /// reach these values (a piece's, or the last), which the CPU reads (the
   /// syncs are held alive by `syncs`).
   std::vector<std::pair<const Sync*, std::uint32_t>> ready_words;
+  /// Where it was queued (device, stream): an operation that times out with
+  /// every input ready names the ones queued before it there that still
+  /// wait for theirs (expire()). `comm`: its communicator, for that message.
+  std::vector<std::pair<int, cudaStream_t>> streams;
+  std::string comm;
 };
 
 /// A staged operation (across nodes): pinned host buffers per local rank.
@@ -863,6 +868,9 @@ class CudaExecutor final : public GpuExecutor {
       p.tails.emplace_back(exec[i], tail);
     }
     p.syncs = std::move(op.sync);
+    for (int d : exec) p.streams.emplace_back(d, stream_of(d));
+    if (std::find(exec.begin(), exec.end(), front) == exec.end()) p.streams.emplace_back(front, stream_of(front));
+    p.comm = op.comm;
     pending_.push_back(std::move(p));
     ++generation_;
     cv_.notify_one();
@@ -2045,8 +2053,33 @@ class CudaExecutor final : public GpuExecutor {
              "undefined and every rank's stream was released";
     }
     return "timed out (deadlines.operation_ms): every rank's input was ready, but the GPU did not "
-           "finish the operation in time; the outputs are undefined and every rank's stream was "
-           "released";
+           "finish the operation in time" + blocked_behind(p) +
+           "; the outputs are undefined and every rank's stream was released";
+  }
+
+  /// What `p` waits behind on its streams (mu_ held): the operations queued
+  /// there before it whose inputs are not all ready, naming the ranks.
+  std::string blocked_behind(const Pending& p) const {
+    std::string out;
+    for (const Pending& q : pending_) {
+      if (&q == &p) break;
+      if (q.answered) continue;
+      bool shared = false;
+      for (const auto& s : q.streams) {
+        shared = shared || std::find(p.streams.begin(), p.streams.end(), s) != p.streams.end();
+      }
+      if (!shared) continue;
+      std::string missing;
+      for (std::size_t r = 0; r < q.syncs.size(); ++r) {
+        auto* s = static_cast<const Sync*>(q.syncs[r].get());
+        if (s == nullptr || s->ready_reached()) continue;
+        missing += (missing.empty() ? "" : ", ") + (r < q.who.size() ? q.who[r] : "rank " + std::to_string(r));
+      }
+      out += (out.empty() ? "" : "; ") + std::string("an operation of communicator ") + q.comm +
+             (missing.empty() ? " whose GPU work has not finished"
+                              : " still waiting for the input of " + missing);
+    }
+    return out.empty() ? "" : " (queued behind, on the daemon's stream: " + out + ")";
   }
 
   Logger& log_;
