@@ -4,7 +4,9 @@ Environment:
   COLLECTIVED_BIN       the daemon (default: build/bin/collectived of this checkout)
   PYTHONPATH            must reach collectived_torch (build/python); ctest sets it
   TT_BACKEND            backend under test (collectived); "gloo" runs the harness with Gloo
-                        standing in, where the backend is not built (the daemon-specific checks skip)
+                        standing in, where the backend is not built (the daemon-specific checks skip);
+                        "nccl" with TT_DEVICE=cuda and LD_PRELOAD=.../libnccl.so.2 runs torch's own
+                        NCCL backend over collectived's libnccl (issue L; scripts/nccl-torch-check)
   TT_DEVICE             cpu (default) or cuda (ranks share GPU 0 when there is one GPU)
 
 Every rank process has a hard timeout twice over: faulthandler inside it (stacks in its log,

@@ -14,7 +14,7 @@ from conftest import BACKEND, NODE_NAME, daemon_ok, free_port, needs_collectived
 def named(message, rank, pid):
     """What the message lacks of: the rank, its node, its pid."""
     missing = []
-    if BACKEND != "collectived":
+    if BACKEND == "gloo":
         return missing  # Gloo standing in names nobody
     if not re.search(rf"rank\D{{0,3}}{rank}\b", message, re.I):
         missing.append(f"rank {rank}")
@@ -27,7 +27,9 @@ def named(message, rank, pid):
 
 # CUDA tensors: wait() blocks only in blocking-wait mode (as TORCH_NCCL_BLOCKING_WAIT makes
 # ProcessGroupNCCL's); without it the failure is raised by the group's next operation.
-FAILURE_ENV = {"COLLECTIVED_TORCH_BLOCKING_WAIT": "1"} if os.environ.get("TT_DEVICE") == "cuda" else None
+# (TT_BACKEND=nccl: torch's own NCCL backend over collectived's libnccl.so.2, LD_PRELOAD.)
+FAILURE_ENV = ({"COLLECTIVED_TORCH_BLOCKING_WAIT": "1", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+               if os.environ.get("TT_DEVICE") == "cuda" else None)
 
 
 def result_of(job, rank):
