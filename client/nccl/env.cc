@@ -42,6 +42,9 @@ constexpr Replacement kReplacements[] = {
 };
 // Read by this library.
 constexpr const char* kRead[] = {"NCCL_DEBUG", "NCCL_COMM_BLOCKING"};
+// Not settings: NVIDIA's container images describe themselves with it
+// (NCCL_VERSION=2.28.3-1 was set on the GPU machine), so it is not reported.
+constexpr const char* kNotSettings[] = {"NCCL_VERSION"};
 
 Debug parse_debug() {
   const char* v = std::getenv("NCCL_DEBUG");
@@ -68,6 +71,7 @@ void report_ignored() {
     const std::string name(entry, eq ? static_cast<std::size_t>(eq - entry) : std::strlen(entry));
     bool read = false;
     for (const char* r : kRead) read = read || name == r;
+    for (const char* r : kNotSettings) read = read || name == r;
     if (read) continue;
     const char* instead = nullptr;
     for (const auto& r : kReplacements) {
