@@ -24,7 +24,10 @@ std::string rtt_text(std::uint64_t us) {
 
 std::string ranks_text(const std::vector<std::uint32_t>& ranks) {
   std::string out;
-  for (auto r : ranks) out += (out.empty() ? "" : ",") + std::to_string(r);
+  for (auto r : ranks) {
+    if (!out.empty()) out += ',';  // not "," + string: GCC 12's false -Wrestrict (bug 105651)
+    out += std::to_string(r);
+  }
   return out;
 }
 
@@ -205,8 +208,13 @@ std::string in_flight_table(const DaemonStatus& s) {
 // heartbeats (and the verbs setup) either way.
 std::string transport_text(const PeerRow& p) {
   if (p.transport == "verbs") {
-    return std::string(p.verbs_healthy ? "verbs" : "verbs (broken)") +
-           (p.verbs_pairs > 1 ? " " + std::to_string(p.verbs_pairs) + " pairs" : "");
+    std::string v = p.verbs_healthy ? "verbs" : "verbs (broken)";
+    if (p.verbs_pairs > 1) {
+      v += ' ';  // appended: GCC 12's false -Wrestrict on " " + string (bug 105651)
+      v += std::to_string(p.verbs_pairs);
+      v += " pairs";
+    }
+    return v;
   }
   std::string t = "tcp x" + std::to_string(p.streams);
   if (!p.congestion_control.empty()) t += " " + p.congestion_control;
