@@ -62,7 +62,10 @@ void check_profile(DoctorContext& ctx, Report& r) {
   if (!ctx.profile) return;
   const config::Profile& p = *ctx.profile;
   std::string transports;
-  for (auto t : p.transports) transports += (transports.empty() ? "" : ",") + std::string(config::to_string(t));
+  for (auto t : p.transports) {
+    if (!transports.empty()) transports += ',';  // appended: GCC 12's false -Wrestrict
+    transports += config::to_string(t);
+  }
   r.add("profile", Verdict::pass,
         ctx.profile_source + " is valid: node " + p.node.name + ", socket " + p.client.socket +
             ", transports [" + transports + "]" +
