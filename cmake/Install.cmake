@@ -1,0 +1,28 @@
+# `cmake --install`: the daemon and its tools, libcollective and its headers,
+# the unit and the annotated profile (issue H, item 1). The unit in the source
+# tree names /usr/local/bin and /etc (tests/verify_unit.sh checks it as is);
+# the installed copy names where this install puts the daemon and profile.
+include(GNUInstallDirs)
+
+install(TARGETS collectived collectivectl collective-perf collective-demo
+        RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+install(TARGETS collective collective_static
+        LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} NAMELINK_COMPONENT dev
+        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT dev)
+# Applications include "client/collective.h" (as in this tree) with
+# <includedir>/collectived on their include path.
+install(FILES client/collective.h client/collective.hpp
+        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/collectived/client COMPONENT dev)
+if(TARGET nccl_shim)
+  # Its own folder, off the loader's path: NVIDIA's libnccl.so.2 stays the
+  # default; LD_LIBRARY_PATH or LD_PRELOAD chooses ours (README).
+  install(TARGETS nccl_shim LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}/collectived/nccl)
+endif()
+
+file(READ ${PROJECT_SOURCE_DIR}/systemd/collectived.service unit)
+string(REPLACE "/usr/local/bin/collectived" "${CMAKE_INSTALL_FULL_BINDIR}/collectived" unit "${unit}")
+string(REPLACE "/etc/collectived/" "${CMAKE_INSTALL_FULL_SYSCONFDIR}/collectived/" unit "${unit}")
+file(WRITE ${CMAKE_BINARY_DIR}/systemd/collectived.service "${unit}")
+install(FILES ${CMAKE_BINARY_DIR}/systemd/collectived.service
+        DESTINATION lib/systemd/system)  # not LIBDIR: Debian's is multiarch
+install(FILES systemd/collectived.yaml DESTINATION ${CMAKE_INSTALL_FULL_SYSCONFDIR}/collectived)
