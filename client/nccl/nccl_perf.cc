@@ -8,8 +8,6 @@
 // visible GPU); rank 0 makes the unique id and hands it over in shared memory.
 // Time per size: CUDA events around `-n` back-to-back calls on the rank's
 // stream after `-w` warm-up calls, the maximum over ranks (nccl-tests' way).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <sys/mman.h>
@@ -25,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "client/nccl/host_values.h"
 #include "client/nccl/nccl.h"
 
 namespace {
@@ -147,68 +146,6 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-void store(const Type& t, void* base, std::size_t i, double v) {
-  char* p = static_cast<char*>(base) + i * t.size;
-  switch (t.nccl) {
-    case ncclInt8:
-      *reinterpret_cast<signed char*>(p) = static_cast<signed char>(v);
-      break;
-    case ncclUint8:
-      *reinterpret_cast<unsigned char*>(p) = static_cast<unsigned char>(v);
-      break;
-    case ncclInt32:
-      *reinterpret_cast<int*>(p) = static_cast<int>(v);
-      break;
-    case ncclUint32:
-      *reinterpret_cast<unsigned*>(p) = static_cast<unsigned>(v);
-      break;
-    case ncclInt64:
-      *reinterpret_cast<long long*>(p) = static_cast<long long>(v);
-      break;
-    case ncclUint64:
-      *reinterpret_cast<unsigned long long*>(p) = static_cast<unsigned long long>(v);
-      break;
-    case ncclFloat16:
-      *reinterpret_cast<__half*>(p) = __float2half(static_cast<float>(v));
-      break;
-    case ncclBfloat16:
-      *reinterpret_cast<__nv_bfloat16*>(p) = __float2bfloat16(static_cast<float>(v));
-      break;
-    case ncclFloat32:
-      *reinterpret_cast<float*>(p) = static_cast<float>(v);
-      break;
-    default:
-      *reinterpret_cast<double*>(p) = v;
-      break;
-  }
-}
-
-double load(const Type& t, const void* base, std::size_t i) {
-  const char* p = static_cast<const char*>(base) + i * t.size;
-  switch (t.nccl) {
-    case ncclInt8:
-      return *reinterpret_cast<const signed char*>(p);
-    case ncclUint8:
-      return *reinterpret_cast<const unsigned char*>(p);
-    case ncclInt32:
-      return *reinterpret_cast<const int*>(p);
-    case ncclUint32:
-      return *reinterpret_cast<const unsigned*>(p);
-    case ncclInt64:
-      return static_cast<double>(*reinterpret_cast<const long long*>(p));
-    case ncclUint64:
-      return static_cast<double>(*reinterpret_cast<const unsigned long long*>(p));
-    case ncclFloat16:
-      return __half2float(*reinterpret_cast<const __half*>(p));
-    case ncclBfloat16:
-      return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p));
-    case ncclFloat32:
-      return *reinterpret_cast<const float*>(p);
-    default:
-      return *reinterpret_cast<const double*>(p);
-  }
-}
-
 struct Rank {
   Options o;
   Shared* sh;
@@ -294,7 +231,7 @@ struct Rank {
     const std::size_t es = o.type.size;
     const std::size_t in_n = op == Op::reduce_scatter || op == Op::all_to_all ? count * n : count;
     const std::size_t out_n = op == Op::all_gather || op == Op::all_to_all ? count * n : count;
-    for (std::size_t i = 0; i < in_n; ++i) store(o.type, host.data(), i, rank + 1);
+    for (std::size_t i = 0; i < in_n; ++i) collectived::nccl::host_store(o.type.nccl, host.data(), i, rank + 1);
     char* dst = in_place ? static_cast<char*>(recv) : static_cast<char*>(send);
     if (in_place && op == Op::all_gather) dst += rank * count * es;
     cuda(cudaMemset(recv, 0, std::max(in_n, out_n) * es), "cudaMemset");
@@ -308,7 +245,7 @@ struct Rank {
     cuda(cudaMemcpy(host.data(), out, out_n * es, cudaMemcpyDeviceToHost), "cudaMemcpy");
     long wrong = 0;
     for (std::size_t i = 0; i < out_n; ++i) {
-      const double w = want(op, count, i), g = load(o.type, host.data(), i);
+      const double w = want(op, count, i), g = collectived::nccl::host_load(o.type.nccl, host.data(), i);
       if (std::abs(g - w) > 1e-2 * std::abs(w)) ++wrong;
     }
     return wrong;

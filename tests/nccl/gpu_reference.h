@@ -5,17 +5,19 @@
 // of the type's precision.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
 
+#include "client/nccl/host_values.h"
 #include "client/nccl/nccl.h"
 
 namespace ncclt {
+
+using collectived::nccl::host_load;
+using collectived::nccl::host_store;
+using collectived::nccl::host_type_size;
 
 constexpr ncclDataType_t kTypes[] = {ncclInt8,    ncclUint8,  ncclInt32,   ncclUint32,
                                      ncclInt64,   ncclUint64, ncclFloat16, ncclBfloat16,
@@ -75,87 +77,8 @@ inline const char* op_name(Op op) {
   return "?";
 }
 
-inline std::size_t type_size(ncclDataType_t t) {
-  switch (t) {
-    case ncclInt8:
-    case ncclUint8:
-      return 1;
-    case ncclFloat16:
-    case ncclBfloat16:
-      return 2;
-    case ncclInt32:
-    case ncclUint32:
-    case ncclFloat32:
-      return 4;
-    default:
-      return 8;
-  }
-}
-
 inline bool is_float(ncclDataType_t t) {
   return t == ncclFloat16 || t == ncclBfloat16 || t == ncclFloat32 || t == ncclFloat64;
-}
-
-inline void store(ncclDataType_t t, void* base, std::size_t i, double v) {
-  char* p = static_cast<char*>(base) + i * type_size(t);
-  switch (t) {
-    case ncclInt8:
-      *reinterpret_cast<std::int8_t*>(p) = static_cast<std::int8_t>(v);
-      break;
-    case ncclUint8:
-      *reinterpret_cast<std::uint8_t*>(p) = static_cast<std::uint8_t>(v);
-      break;
-    case ncclInt32:
-      *reinterpret_cast<std::int32_t*>(p) = static_cast<std::int32_t>(v);
-      break;
-    case ncclUint32:
-      *reinterpret_cast<std::uint32_t*>(p) = static_cast<std::uint32_t>(v);
-      break;
-    case ncclInt64:
-      *reinterpret_cast<std::int64_t*>(p) = static_cast<std::int64_t>(v);
-      break;
-    case ncclUint64:
-      *reinterpret_cast<std::uint64_t*>(p) = static_cast<std::uint64_t>(v);
-      break;
-    case ncclFloat16:
-      *reinterpret_cast<__half*>(p) = __float2half(static_cast<float>(v));
-      break;
-    case ncclBfloat16:
-      *reinterpret_cast<__nv_bfloat16*>(p) = __float2bfloat16(static_cast<float>(v));
-      break;
-    case ncclFloat32:
-      *reinterpret_cast<float*>(p) = static_cast<float>(v);
-      break;
-    default:
-      *reinterpret_cast<double*>(p) = v;
-      break;
-  }
-}
-
-inline double load(ncclDataType_t t, const void* base, std::size_t i) {
-  const char* p = static_cast<const char*>(base) + i * type_size(t);
-  switch (t) {
-    case ncclInt8:
-      return *reinterpret_cast<const std::int8_t*>(p);
-    case ncclUint8:
-      return *reinterpret_cast<const std::uint8_t*>(p);
-    case ncclInt32:
-      return *reinterpret_cast<const std::int32_t*>(p);
-    case ncclUint32:
-      return *reinterpret_cast<const std::uint32_t*>(p);
-    case ncclInt64:
-      return static_cast<double>(*reinterpret_cast<const std::int64_t*>(p));
-    case ncclUint64:
-      return static_cast<double>(*reinterpret_cast<const std::uint64_t*>(p));
-    case ncclFloat16:
-      return __half2float(*reinterpret_cast<const __half*>(p));
-    case ncclBfloat16:
-      return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p));
-    case ncclFloat32:
-      return *reinterpret_cast<const float*>(p);
-    default:
-      return *reinterpret_cast<const double*>(p);
-  }
 }
 
 /// Rank r's element i: 1..4 (products: 1..2, so that n ranks' product fits int8).

@@ -283,8 +283,8 @@ void setup(Rank& r) {
   r.cuda(cudaMalloc(&r.dscalars, 8 * ncclNumTypes), "cudaMalloc");
   for (ncclDataType_t t : kTypes) {
     char host[8], dev[8];
-    store(t, host, 0, kHostScalar);
-    store(t, dev, 0, kDeviceScalar);
+    host_store(t, host, 0, kHostScalar);
+    host_store(t, dev, 0, kDeviceScalar);
     char* at = static_cast<char*>(r.dscalars) + 8 * t;
     r.cuda(cudaMemcpy(at, dev, 8, cudaMemcpyHostToDevice), "cudaMemcpy scalar");
     r.ok(ncclRedOpCreatePreMulSum(&r.premul[0][t], host, t, ncclScalarHostImmediate, r.comm),

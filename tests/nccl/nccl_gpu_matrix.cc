@@ -121,14 +121,14 @@ ncclResult_t call(Rank& r, const Case& c, char* send, char* recv) {
 }
 
 void run_case(Rank& r, const Case& c, std::vector<char>& host) {
-  const std::size_t es = type_size(c.type);
+  const std::size_t es = host_type_size(c.type);
   const std::size_t in_n = in_elems(c, r.n), out_n = out_elems(c, r.n);
   // In place: the input where NCCL wants it inside the output buffer.
   char* recv = static_cast<char*>(r.drecv);
   char* send = c.in_place ? recv : static_cast<char*>(r.dsend);
   if (c.in_place && c.kind == Kind::all_gather) send = recv + r.rank * c.count * es;
   if (c.in_place && c.kind == Kind::reduce_scatter) recv = send + r.rank * c.count * es;
-  for (std::size_t i = 0; i < in_n; ++i) store(c.type, host.data(), i, input(c, r.rank, i));
+  for (std::size_t i = 0; i < in_n; ++i) host_store(c.type, host.data(), i, input(c, r.rank, i));
   // Stale results must not pass: the output is poisoned first.
   const std::size_t poison = (c.in_place ? std::max(in_n, out_n) : out_n) * es;
   r.cuda(cudaMemset(r.drecv, 0x5a, poison), "cudaMemset");
@@ -147,10 +147,10 @@ void run_case(Rank& r, const Case& c, std::vector<char>& host) {
   r.cuda(cudaMemcpy(host.data(), recv, out_n * es, cudaMemcpyDeviceToHost), "cudaMemcpy out");
   std::size_t bad = out_n;
   for (std::size_t i = 0; i < out_n && bad == out_n; ++i) {
-    if (!close_enough(c.type, load(c.type, host.data(), i), output(c, r.rank, r.n, i))) bad = i;
+    if (!close_enough(c.type, host_load(c.type, host.data(), i), output(c, r.rank, r.n, i))) bad = i;
   }
   r.check(bad == out_n, "%s: element %zu is %g, want %g", label, bad,
-          bad < out_n ? load(c.type, host.data(), bad) : 0.0,
+          bad < out_n ? host_load(c.type, host.data(), bad) : 0.0,
           bad < out_n ? output(c, r.rank, r.n, bad) : 0.0);
 }
 
