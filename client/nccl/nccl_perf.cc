@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -166,13 +167,23 @@ struct Rank {
   void cuda(cudaError_t e, const char* what) {
     if (e != cudaSuccess) die(what, cudaGetErrorString(e));
   }
+  /// Polls `ready` until it holds; a rank that died leaves the others here,
+  /// so after 120 s this rank gives up, naming what it waited for.
+  template <typename Ready>
+  void wait_for(Ready ready, const char* what) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    while (!ready()) {
+      if (std::chrono::steady_clock::now() > deadline) die(what, "the other ranks did not arrive within 120 s");
+      usleep(50);
+    }
+  }
   void barrier() {
     const int gen = sh->generation.load();
     if (sh->arrived.fetch_add(1) + 1 == n) {
       sh->arrived.store(0);
       sh->generation.fetch_add(1);
     } else {
-      while (sh->generation.load() == gen) usleep(20);
+      wait_for([&] { return sh->generation.load() != gen; }, "barrier");
     }
   }
 
@@ -277,7 +288,7 @@ int Rank::main_loop() {
     nccl(ncclGetUniqueId(&sh->id), "ncclGetUniqueId");
     sh->id_ready.store(1);
   }
-  while (sh->id_ready.load() == 0) usleep(100);
+  wait_for([&] { return sh->id_ready.load() != 0; }, "rank 0's ncclGetUniqueId");
   nccl(ncclCommInitRank(&comm, n, sh->id, rank), "ncclCommInitRank");
   // Sizes are whole arrays (sharded ops) or one rank's: no buffer exceeds the largest.
   const std::size_t bytes = std::max<std::size_t>(o.max_bytes, 64) + 64;
