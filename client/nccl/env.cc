@@ -42,8 +42,8 @@ constexpr Replacement kReplacements[] = {
 };
 // Read by this library.
 constexpr const char* kRead[] = {"NCCL_DEBUG", "NCCL_COMM_BLOCKING"};
-// Not settings: NVIDIA's container images describe themselves with it
-// (NCCL_VERSION=2.28.3-1 was set on the GPU machine), so it is not reported.
+// Not settings: NVIDIA's container images describe themselves with it, so
+// it is not reported.
 constexpr const char* kNotSettings[] = {"NCCL_VERSION"};
 
 Debug parse_debug() {
