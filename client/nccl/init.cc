@@ -84,11 +84,11 @@ Outcome join(ncclComm* comm, const ncclUniqueId& id) {
   const auto* cid = reinterpret_cast<const collective_unique_id_t*>(&id);
   collective_comm_t* made = nullptr;
   collective_result_t r =
-      collective_comm_init_rank(comm->client, cid, comm->nranks, comm->rank, &made);
+      collective_comm_init_rank(comm->client.get(), cid, comm->nranks, comm->rank, &made);
   collective_status_t status;
-  if (r == COLLECTIVE_UNAVAILABLE && collective_status(comm->client, &status) != COLLECTIVE_OK) {
+  if (r == COLLECTIVE_UNAVAILABLE && collective_status(comm->client.get(), &status) != COLLECTIVE_OK) {
     comm->client = reconnect_process_client(comm->client);
-    r = collective_comm_init_rank(comm->client, cid, comm->nranks, comm->rank, &made);
+    r = collective_comm_init_rank(comm->client.get(), cid, comm->nranks, comm->rank, &made);
   }
   return outcome_of(r, made);
 }
@@ -103,6 +103,7 @@ void log_ready(const ncclComm* comm) {
 
 /// Frees a communicator nobody references any more (its job is over).
 void dispose(ncclComm* comm, bool abort) noexcept {
+  const ClientRef client = comm->client;  // outlives the daemon's communicator
   drop_requests(comm);
   release_premul(comm);
   if (comm->coll != nullptr) {
@@ -203,7 +204,7 @@ ncclResult_t init_rank(const char* call, ncclComm_t* out, int nranks, const nccl
 void init_all(ncclComm_t* comms, int ndev, const int* devlist) {
   ncclUniqueId id;
   auto* cid = reinterpret_cast<collective_unique_id_t*>(&id);
-  check(collective_get_unique_id(process_client(), cid));
+  check(collective_get_unique_id(process_client().get(), cid));
   std::vector<std::unique_ptr<Failure>> failed(static_cast<std::size_t>(ndev));
   std::vector<std::thread> threads;
   for (int i = 0; i < ndev; ++i) {
@@ -266,12 +267,12 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId) {
   return guarded("ncclGetUniqueId", [&] {
     if (uniqueId == nullptr) throw Failure(ncclInvalidArgument, "uniqueId is NULL");
     // The id names this daemon: one that went away (restarted) is reached anew.
-    collective_client_t* client = process_client();
+    ClientRef client = process_client();
     collective_status_t status;
-    if (collective_status(client, &status) != COLLECTIVE_OK) {
+    if (collective_status(client.get(), &status) != COLLECTIVE_OK) {
       client = reconnect_process_client(client);
     }
-    check(collective_get_unique_id(client, reinterpret_cast<collective_unique_id_t*>(uniqueId)));
+    check(collective_get_unique_id(client.get(), reinterpret_cast<collective_unique_id_t*>(uniqueId)));
     return ncclSuccess;
   });
 }
@@ -374,6 +375,7 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
     release_premul(comm);
     collective_comm_t* coll = comm->coll;
     comm->coll = nullptr;
+    const ClientRef client = comm->client;  // outlives the daemon's communicator
     delete comm;
     if (coll != nullptr) check(collective_comm_destroy(coll));
     return ncclSuccess;

@@ -10,7 +10,7 @@ namespace {
 
 /// ncclCommRegister's handle: the buffer whose allocation was registered.
 struct Registration {
-  collective_client_t* client;
+  ClientRef client;
   void* buffer;
 };
 
@@ -40,7 +40,7 @@ ncclResult_t ncclMemFree(void* ptr) {
   if (ptr == nullptr) return ncclSuccess;
   return guarded("ncclMemFree", [&] {
     const collectived::gpu::CudaDriver& d = driver();
-    if (collective_client_t* c = existing_process_client()) collective_gpu_deregister(c, ptr);
+    if (const ClientRef c = existing_process_client()) collective_gpu_deregister(c.get(), ptr);
     cu::Context ctx = nullptr;
     d.cuPointerGetAttribute(&ctx, cu::kPointerAttributeContext,
                             reinterpret_cast<cu::DevicePtr>(ptr));
@@ -60,7 +60,7 @@ ncclResult_t ncclCommRegister(const ncclComm_t comm, void* buff, size_t size, vo
     require_ready(comm);
     (void)size;  // the registration covers the whole allocation
     ContextScope scope(comm->ctx);
-    check(collective_gpu_register(comm->client, buff, nullptr));
+    check(collective_gpu_register(comm->client.get(), buff, nullptr));
     *handle = new Registration{comm->client, buff};
     return ncclSuccess;
   });
@@ -73,7 +73,7 @@ ncclResult_t ncclCommDeregister(const ncclComm_t comm, void* handle) {
     if (comm == nullptr || handle == nullptr)
       throw Failure(ncclInvalidArgument, "comm and handle must be set");
     auto* reg = static_cast<Registration*>(handle);
-    const collective_result_t r = collective_gpu_deregister(reg->client, reg->buffer);
+    const collective_result_t r = collective_gpu_deregister(reg->client.get(), reg->buffer);
     delete reg;
     if (r != COLLECTIVE_NOT_FOUND) check(r);
     return ncclSuccess;

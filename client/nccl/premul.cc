@@ -100,7 +100,7 @@ void reserve(ncclComm* comm, Premul& p, std::size_t bytes) {
   const gpu::CudaDriver& d = driver();
   if (p.scratch != 0) {
     if (p.used) cuda_check(d.cuEventSynchronize(p.last_use), "cuEventSynchronize");
-    collective_gpu_deregister(comm->client, reinterpret_cast<void*>(p.scratch));
+    collective_gpu_deregister(comm->client.get(), reinterpret_cast<void*>(p.scratch));
     d.cuMemFree(p.scratch);
     p.scratch = 0;
     p.scratch_bytes = 0;
@@ -168,7 +168,7 @@ void release_premul(ncclComm* comm) noexcept {
     ContextScope scope(comm->ctx);
     if (p->scratch != 0) {
       if (p->used) d.cuEventSynchronize(p->last_use);
-      collective_gpu_deregister(comm->client, reinterpret_cast<void*>(p->scratch));
+      collective_gpu_deregister(comm->client.get(), reinterpret_cast<void*>(p->scratch));
       d.cuMemFree(p->scratch);
     }
     d.cuEventDestroy(p->last_use);

@@ -2,10 +2,11 @@
 //
 // NCCL's API has no handle for a library instance: ncclGetUniqueId and
 // ncclCommInitRank take none, yet both need the daemon. So the process keeps
-// one collective_client_t, made at first need under a lock and kept for the
-// process's life (its communicators and registrations live on it, and at
-// exit nothing must be torn down under threads that may still use it). All
-// other state lives in ncclComm.
+// one client, made at first need under a lock. The process's own reference
+// is never dropped: at exit nothing is torn down under threads that may still
+// use it. A client replaced after its daemon went away is disconnected when
+// the communicators and registrations made on it are gone. All other state
+// lives in ncclComm.
 #include <pthread.h>
 #include <unistd.h>
 
@@ -13,6 +14,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "client/nccl/shim.h"
 
@@ -21,7 +24,11 @@ namespace collectived::nccl {
 namespace {
 
 std::mutex g_client_mutex;
-collective_client_t* g_client = nullptr;
+// Heap-held so that no exit-time destructor disconnects them.
+ClientRef& g_client = *new ClientRef;
+// Clients a forked child inherited: never used, never disconnected (their
+// socket is the parent's).
+std::vector<ClientRef>& g_inherited = *new std::vector<ClientRef>;
 
 std::string socket_path() {
   const char* env = std::getenv("COLLECTIVED_SOCKET");
@@ -30,9 +37,12 @@ std::string socket_path() {
 
 // A forked child shares its parent's socket: it must never talk on it, so
 // it connects anew at its first need (the parent's client is left alone).
-void forget_after_fork() { g_client = nullptr; }
+void forget_after_fork() {
+  if (g_client) g_inherited.push_back(std::move(g_client));
+  g_client = nullptr;
+}
 
-collective_client_t* connect_locked() {
+ClientRef connect_locked() {
   static std::once_flag atfork;
   std::call_once(atfork, [] { ::pthread_atfork(nullptr, nullptr, forget_after_fork); });
   const std::string path = socket_path();
@@ -43,26 +53,26 @@ collective_client_t* connect_locked() {
   const collective_result_t r = collective_connect(nullptr, name.c_str(), &c);
   // Its message names the socket and where the path came from.
   if (r != COLLECTIVE_OK) throw Failure(to_nccl(r), collective_last_error());
-  return c;
+  return ClientRef(c, collective_disconnect);
 }
 
 }  // namespace
 
-collective_client_t* process_client() {
+ClientRef process_client() {
   std::lock_guard lock(g_client_mutex);
   if (g_client == nullptr) g_client = connect_locked();
   return g_client;
 }
 
-collective_client_t* reconnect_process_client(collective_client_t* broken) {
+ClientRef reconnect_process_client(const ClientRef& broken) {
   std::lock_guard lock(g_client_mutex);
-  // The old client stays allocated: communicators made on it may still be
-  // referenced (their calls then fail naming the closed connection).
+  // Communicators made on the old client keep it (their calls then fail
+  // naming the closed connection).
   if (g_client == broken) g_client = connect_locked();
   return g_client;
 }
 
-collective_client_t* existing_process_client() {
+ClientRef existing_process_client() {
   std::lock_guard lock(g_client_mutex);
   return g_client;
 }

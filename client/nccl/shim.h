@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <stdexcept>
@@ -75,12 +76,16 @@ int env_blocking();
 bool host_only();
 
 // --- process.cc ---
+/// A connection to the daemon, owned by the process and by the communicators
+/// and registrations made on it: one replaced after its daemon went away is
+/// disconnected when the last of them lets go.
+using ClientRef = std::shared_ptr<collective_client_t>;
 /// The process's connection to its node's daemon, made at first need.
-collective_client_t* process_client();
+ClientRef process_client();
 /// The same, but made anew (the old one's daemon went away).
-collective_client_t* reconnect_process_client(collective_client_t* broken);
+ClientRef reconnect_process_client(const ClientRef& broken);
 /// The client if one was made (never connects).
-collective_client_t* existing_process_client();
+ClientRef existing_process_client();
 /// The CUDA driver, loaded once. Throws Failure(ncclUnhandledCudaError) naming why not.
 const gpu::CudaDriver& driver();
 /// Throws Failure(ncclUnhandledCudaError) unless r is success.
@@ -113,7 +118,7 @@ struct Premul;  // premul.cc
 /// ncclComm_t. Rank, size and device are set when it is made; the daemon's
 /// communicator (`coll`) once its init finished (at once where blocking).
 struct ncclComm {
-  collective_client_t* client = nullptr;
+  collectived::nccl::ClientRef client;
   collective_comm_t* coll = nullptr;
   int rank = -1;
   int nranks = 0;
