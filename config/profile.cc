@@ -322,6 +322,25 @@ std::string as_socket_path(const YAML::Node& node, const Context& ctx) {
   return path;
 }
 
+// A group name as /etc/group holds it: what useradd accepts, without the
+// characters that would break the file's format.
+std::string as_group_name(const YAML::Node& node, const Context& ctx) {
+  std::string name = as_string(node, ctx);
+  const bool bad_char = name.find_first_of(":,/ \t\n") != std::string::npos;
+  if (name.empty() || name.size() > 32 || bad_char || name.front() == '-') {
+    ctx.fail(node, "must be a group name (1-32 characters, no ':', ',', '/' or spaces, not "
+                   "starting with '-'), got " + quoted(name));
+  }
+  return name;
+}
+
+std::vector<std::string> as_group_list(const YAML::Node& node, const Context& ctx) {
+  std::vector<std::string> out;
+  for_each_item(node, ctx,
+                [&](const YAML::Node& item, const Context& c) { out.push_back(as_group_name(item, c)); });
+  return out;
+}
+
 std::uint32_t as_octal_mode(const YAML::Node& node, const Context& ctx) {
   // Always octal, quoted or not: `socket_mode: 660` means chmod 660, never decimal 660.
   const std::string& text = scalar(node, ctx, "an octal mode");
@@ -525,6 +544,12 @@ constexpr std::array kSchema{
         [](N n, Profile& p, C c) { p.client.socket_mode = as_octal_mode(n, c); },
         [](E e, P p) { e << YAML::DoubleQuoted << octal_mode(p.client.socket_mode); },
         "socket file permission bits, octal"},
+    Key{"client.socket_group",
+        [](N n, Profile& p, C c) {
+          p.client.socket_group = n.IsNull() || as_string(n, c).empty() ? "" : as_group_name(n, c);
+        },
+        [](E e, P p) { e << YAML::DoubleQuoted << p.client.socket_group; },
+        "group of the socket file"},
     Key{"client.allowed_uids",
         [](N n, Profile& p, C c) { p.client.allowed_uids = as_uint_list(n, c); },
         [](E e, P p) { emit_flow_list(e, p.client.allowed_uids, [&](auto v) { e << v; }); },
@@ -533,6 +558,10 @@ constexpr std::array kSchema{
         [](N n, Profile& p, C c) { p.client.allowed_gids = as_uint_list(n, c); },
         [](E e, P p) { emit_flow_list(e, p.client.allowed_gids, [&](auto v) { e << v; }); },
         "gids allowed to connect"},
+    Key{"client.allowed_groups",
+        [](N n, Profile& p, C c) { p.client.allowed_groups = as_group_list(n, c); },
+        [](E e, P p) { emit_flow_list(e, p.client.allowed_groups, [&](const auto& v) { e << v; }); },
+        "group names allowed to connect"},
     Key{"client.max_frame_bytes",
         [](N n, Profile& p, C c) { p.client.max_frame_bytes = as_size(n, c, 4 * KiB, GiB); },
         [](E e, P p) { e << p.client.max_frame_bytes; }, "largest control frame"},

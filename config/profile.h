@@ -51,8 +51,13 @@ struct NodeSection {
 struct ClientSection {
   std::string socket;              ///< Unix socket path for local clients
   std::uint32_t socket_mode = 0;   ///< permission bits of the socket file (e.g. 0660)
+  std::string socket_group;        ///< group of the socket file, by name; empty: the daemon's
   std::vector<std::uint32_t> allowed_uids;  ///< SO_PEERCRED uid allow-list
   std::vector<std::uint32_t> allowed_gids;  ///< SO_PEERCRED gid allow-list
+  /// Group names allowed as allowed_gids are; the daemon resolves them when
+  /// it loads the profile (a package creates its group at install time, with
+  /// a gid no profile can know in advance).
+  std::vector<std::string> allowed_groups;
   std::uint64_t max_frame_bytes = 0;        ///< largest accepted control frame
   std::uint32_t max_clients = 0;            ///< concurrent client sessions
   std::uint32_t max_registrations_per_client = 0;

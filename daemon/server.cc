@@ -18,6 +18,7 @@
 
 #include "config/profile_diff.h"
 #include "daemon/comm_status.h"
+#include "daemon/groups.h"
 #include "engine/transport/transport.h"
 #include "ipc/error.h"
 #include "ipc/version.h"
@@ -106,6 +107,7 @@ bool live_key(const std::string& key) {
   return key == "log.level" || key.rfind("deadlines.", 0) == 0 ||
          key == "memory.max_registered_bytes" || key == "client.max_registrations_per_client" ||
          key == "client.allowed_uids" || key == "client.allowed_gids" ||
+         key == "client.allowed_groups" ||
          key == "client.max_clients" || key.rfind("collectives.", 0) == 0 ||
          key == "workers.event_loop_spin_us";
 }
@@ -196,6 +198,9 @@ void Server::listen() {
   if (::chmod(path.c_str(), profile_.client.socket_mode) != 0) {
     throw_errno("chmod of the client socket " + path);
   }
+  give_socket_group(path);
+  client_gids_ = resolve_allowed_gids(profile_.client.allowed_gids, profile_.client.allowed_groups,
+                                      log_);
   acceptor_.listen(asio::socket_base::max_listen_connections, bec);
   if (bec) throw Error(Code::system, "listen on " + path + ": " + bec.message());
   if (!profile_.metrics.listen.empty()) {
@@ -283,27 +288,49 @@ void Server::accept_next() {
   });
 }
 
+void Server::give_socket_group(const std::string& path) {
+  const std::string& name = profile_.client.socket_group;
+  if (name.empty()) return;
+  const auto gid = group_id(name);
+  if (!gid) {
+    log_.warn("socket_group_missing",
+              {{"group", name},
+               {"socket", path},
+               {"why", "client.socket_group names a group this node does not have; the socket "
+                       "keeps the daemon's group (the Debian package creates it)"}});
+    return;
+  }
+  if (::chown(path.c_str(), static_cast<uid_t>(-1), *gid) != 0) {
+    throw_errno("chown of the client socket " + path + " to group " + name);
+  }
+}
+
 bool Server::allowed(const PeerCredentials& cred, int fd, std::string& why) const {
   const auto& c = profile_.client;
   if (cred.uid == ::geteuid()) return true;
   if (std::find(c.allowed_uids.begin(), c.allowed_uids.end(), cred.uid) != c.allowed_uids.end())
     return true;
-  if (std::find(c.allowed_gids.begin(), c.allowed_gids.end(), cred.gid) != c.allowed_gids.end())
-    return true;
+  auto allowed_gid = [&](gid_t g) {
+    return std::binary_search(client_gids_.begin(), client_gids_.end(), g);
+  };
+  if (allowed_gid(cred.gid)) return true;
   // Supplementary groups count too (SO_PEERGROUPS, Linux 4.13+).
   gid_t groups[256];
   socklen_t len = sizeof groups;
-  if (!c.allowed_gids.empty() && ::getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) == 0) {
+  if (!client_gids_.empty() && ::getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) == 0) {
     for (socklen_t i = 0; i < len / sizeof(gid_t); ++i) {
-      if (std::find(c.allowed_gids.begin(), c.allowed_gids.end(), groups[i]) !=
-          c.allowed_gids.end())
-        return true;
+      if (allowed_gid(groups[i])) return true;
     }
   }
   why = "uid " + std::to_string(cred.uid) + " / gid " + std::to_string(cred.gid) + " (pid " +
         std::to_string(cred.pid) +
-        ") is not allowed by this node's profile (client.allowed_uids, client.allowed_gids); "
-        "ask the node's administrator to add it";
+        ") is not allowed by this node's profile (client.allowed_uids, client.allowed_gids, "
+        "client.allowed_groups); ask the node's administrator to add it";
+  if (!c.allowed_groups.empty()) {
+    why += " (or to add this user to group";
+    for (const auto& g : c.allowed_groups) why += " " + g;
+    why += ", then log in again)";
+  }
   return false;
 }
 
@@ -459,10 +486,13 @@ void Server::reload() {
   merged.client.max_registrations_per_client = next.client.max_registrations_per_client;
   merged.client.allowed_uids = next.client.allowed_uids;
   merged.client.allowed_gids = next.client.allowed_gids;
+  merged.client.allowed_groups = next.client.allowed_groups;
   merged.client.max_clients = next.client.max_clients;
   merged.collectives = next.collectives;
   merged.workers.event_loop_spin = next.workers.event_loop_spin;
   profile_ = std::move(merged);
+  client_gids_ = resolve_allowed_gids(profile_.client.allowed_gids, profile_.client.allowed_groups,
+                                      log_);
   engine_.set_node_algorithms(node_algorithms(profile_));
   log_.set_level(profile_.log.level);
   registry_.set_limits(registry_limits(profile_));

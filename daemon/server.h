@@ -68,6 +68,8 @@ class Server final : public SessionHost {
   void accept_next();
   void on_accept(boost::asio::local::stream_protocol::socket socket);
   bool allowed(const PeerCredentials& cred, int fd, std::string& why) const;
+  /// chown of the socket to client.socket_group (a missing group: a warning).
+  void give_socket_group(const std::string& path);
   void wait_signal();
   void reload();
   void begin_shutdown(const std::string& reason);
@@ -101,6 +103,9 @@ class Server final : public SessionHost {
   MetricsServer metrics_server_;  // after io_, like peers_
   std::map<std::uint64_t, std::shared_ptr<ClientSession>> sessions_;
   std::uint64_t next_session_id_ = 1;
+  /// client.allowed_gids plus the gids of client.allowed_groups (resolved
+  /// at listen() and at each reload).
+  std::vector<gid_t> client_gids_;
   bool stopping_ = false;
   bool socket_bound_ = false;
   const std::chrono::steady_clock::time_point started_;

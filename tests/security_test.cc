@@ -14,6 +14,7 @@
 // per connection for a process that drops privileges.
 #include <doctest/doctest.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -229,6 +230,61 @@ TEST_CASE("the socket file's owner and mode follow the profile") {
     // User=/Group= and RuntimeDirectory= decide it).
     CHECK(st.st_uid == ::geteuid());
   }
+}
+
+TEST_CASE("client.socket_group and client.allowed_groups: a member of the named group connects, by its gid or a supplementary group") {
+  if (::geteuid() != 0) {
+    MESSAGE("skipped: needs root to change uid and groups (in a forked child)");
+    return;
+  }
+  // Debian's "nogroup" (65534) stands in for the package's "collectived".
+  Daemon d({.overrides = {"client.allowed_uids=[]", "client.allowed_gids=[]",
+                          "client.socket_group=nogroup", "client.allowed_groups=[nogroup]"}});
+  struct stat st {};
+  REQUIRE(::stat(d.socket().c_str(), &st) == 0);
+  CHECK(st.st_gid == 65534);
+  // Only the socket's group may open it: 65533 outside the group, even with
+  // a world-writable socket, is refused by the daemon.
+  auto connect_as = [&](gid_t gid, std::vector<gid_t> extra) {
+    return run_child(
+        [&, gid, extra] {
+          if (::setgroups(extra.size(), extra.data()) != 0 || ::setgid(gid) != 0 ||
+              ::setuid(65533) != 0)
+            return 4;
+          collective_client_t* c = nullptr;
+          const collective_result_t r = collective_connect(d.socket().c_str(), "member", &c);
+          if (r == COLLECTIVE_OK) {
+            collective_disconnect(c);
+            return 0;
+          }
+          const std::string msg = collective_last_error();
+          if (r == COLLECTIVE_PERMISSION_DENIED && msg.find("client.allowed_groups") != std::string::npos &&
+              msg.find("group nogroup") != std::string::npos)
+            return 10;
+          return 5;
+        },
+        10s);
+  };
+  auto primary = connect_as(65534, {});
+  CHECK(primary.exited);
+  CHECK(primary.code == 0);
+  auto supplementary = connect_as(65533, {65534});
+  CHECK(supplementary.exited);
+  CHECK(supplementary.code == 0);
+  ::chmod(d.socket().c_str(), 0666);
+  auto outsider = connect_as(65533, {});
+  CHECK(outsider.exited);
+  CHECK(outsider.code == 10);
+}
+
+TEST_CASE("a group named in the profile that the node lacks is a warning, and the daemon serves") {
+  Daemon d({.overrides = {"client.socket_group=collectived-no-such-group",
+                          "client.allowed_groups=[collectived-no-such-group]"}});
+  CHECK(d.wait_for_log("event=socket_group_missing", 5s));
+  CHECK(d.wait_for_log("event=allowed_group_missing", 5s));
+  collective_client_t* c = nullptr;
+  REQUIRE(collective_connect(d.socket().c_str(), "owner", &c) == COLLECTIVE_OK);
+  collective_disconnect(c);
 }
 
 TEST_CASE("the daemon's own uid may connect; after dropping to a uid outside the list, a new connection is refused") {

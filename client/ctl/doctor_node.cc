@@ -109,7 +109,9 @@ void check_daemon(DoctorContext& ctx, Report& r) {
     } else if (e.code() == Code::permission_denied) {
       r.add("daemon", Verdict::fail, std::string("refused: ") + e.what(),
             "ask the node's administrator to add uid " + std::to_string(::getuid()) +
-                " or one of your groups to client.allowed_uids / client.allowed_gids");
+                " or one of your groups to client.allowed_uids / client.allowed_gids, or to add "
+                "you to a group of client.allowed_groups (the package's: adduser $USER "
+                "collectived)");
     } else {
       r.add("daemon", Verdict::fail, std::string("not running: ") + e.what(),
             "start it (systemctl start collectived; journalctl -u collectived says why it "
@@ -164,8 +166,9 @@ void check_socket(DoctorContext& ctx, Report& r) {
                        std::to_string(st.st_gid) + ", mode " + octal(mode);
   if (::access(path.c_str(), W_OK) != 0) {
     r.add("socket", Verdict::fail, detail + "; uid " + std::to_string(::getuid()) + " may not connect",
-          "make client.socket_mode group-writable (0660) and add your group to "
-          "client.allowed_gids, or run as a user in client.allowed_uids");
+          "join the socket's group (the package's: adduser $USER collectived, then log in "
+          "again), or make client.socket_mode group-writable (0660), set client.socket_group "
+          "and add that group to client.allowed_groups");
     return;
   }
   if (ctx.profile && ctx.profile->client.socket == path && ctx.profile->client.socket_mode != mode) {
