@@ -30,17 +30,13 @@ std::optional<gid_t> group_id(const std::string& name) {
 
 std::vector<gid_t> resolve_allowed_gids(const std::vector<std::uint32_t>& gids,
                                         const std::vector<std::string>& names,
-                                        engine::Logger& log) {
+                                        std::vector<std::string>& missing) {
   std::vector<gid_t> out(gids.begin(), gids.end());
   for (const std::string& name : names) {
     if (const auto gid = group_id(name)) {
       out.push_back(*gid);
-      log.debug("allowed_group", {{"group", name}, {"gid", *gid}});
-    } else {
-      log.warn("allowed_group_missing",
-               {{"group", name},
-                {"why", "client.allowed_groups names a group this node does not have: it "
-                        "allows no one (create it, e.g. addgroup --system " + name + ")"}});
+    } else if (std::find(missing.begin(), missing.end(), name) == missing.end()) {
+      missing.push_back(name);
     }
   }
   std::sort(out.begin(), out.end());

@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "engine/log.h"
 
 namespace collectived::daemon {
 
@@ -20,9 +19,9 @@ namespace collectived::daemon {
 std::optional<gid_t> group_id(const std::string& name);
 
 /// allowed_gids plus the gids of allowed_groups. A name with no group allows
-/// no one and is logged as a warning.
+/// no one; it is added to `missing` (for the caller's one warning).
 std::vector<gid_t> resolve_allowed_gids(const std::vector<std::uint32_t>& gids,
                                         const std::vector<std::string>& names,
-                                        engine::Logger& log);
+                                        std::vector<std::string>& missing);
 
 }  // namespace collectived::daemon

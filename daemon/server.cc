@@ -198,9 +198,9 @@ void Server::listen() {
   if (::chmod(path.c_str(), profile_.client.socket_mode) != 0) {
     throw_errno("chmod of the client socket " + path);
   }
-  give_socket_group(path);
-  client_gids_ = resolve_allowed_gids(profile_.client.allowed_gids, profile_.client.allowed_groups,
-                                      log_);
+  std::vector<std::string> missing;
+  give_socket_group(path, missing);
+  resolve_client_groups(missing);
   acceptor_.listen(asio::socket_base::max_listen_connections, bec);
   if (bec) throw Error(Code::system, "listen on " + path + ": " + bec.message());
   if (!profile_.metrics.listen.empty()) {
@@ -288,21 +288,31 @@ void Server::accept_next() {
   });
 }
 
-void Server::give_socket_group(const std::string& path) {
+void Server::give_socket_group(const std::string& path, std::vector<std::string>& missing) {
   const std::string& name = profile_.client.socket_group;
   if (name.empty()) return;
   const auto gid = group_id(name);
   if (!gid) {
-    log_.warn("socket_group_missing",
-              {{"group", name},
-               {"socket", path},
-               {"why", "client.socket_group names a group this node does not have; the socket "
-                       "keeps the daemon's group (the Debian package creates it)"}});
+    missing.push_back(name);
     return;
   }
   if (::chown(path.c_str(), static_cast<uid_t>(-1), *gid) != 0) {
     throw_errno("chown of the client socket " + path + " to group " + name);
   }
+}
+
+void Server::resolve_client_groups(std::vector<std::string> missing) {
+  client_gids_ =
+      resolve_allowed_gids(profile_.client.allowed_gids, profile_.client.allowed_groups, missing);
+  if (missing.empty()) return;
+  std::string names;
+  for (const auto& m : missing) names += (names.empty() ? "" : " ") + m;
+  // One line, also for the embedded default on a node without the package.
+  log_.warn("groups_missing",
+            {{"groups", names},
+             {"why", "client.socket_group / client.allowed_groups name groups this node does not "
+                     "have: the socket keeps the daemon's group and no one connects through them "
+                     "(the Debian package creates group collectived; else addgroup --system NAME)"}});
 }
 
 bool Server::allowed(const PeerCredentials& cred, int fd, std::string& why) const {
@@ -491,8 +501,7 @@ void Server::reload() {
   merged.collectives = next.collectives;
   merged.workers.event_loop_spin = next.workers.event_loop_spin;
   profile_ = std::move(merged);
-  client_gids_ = resolve_allowed_gids(profile_.client.allowed_gids, profile_.client.allowed_groups,
-                                      log_);
+  resolve_client_groups({});
   engine_.set_node_algorithms(node_algorithms(profile_));
   log_.set_level(profile_.log.level);
   registry_.set_limits(registry_limits(profile_));

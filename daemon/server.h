@@ -68,8 +68,12 @@ class Server final : public SessionHost {
   void accept_next();
   void on_accept(boost::asio::local::stream_protocol::socket socket);
   bool allowed(const PeerCredentials& cred, int fd, std::string& why) const;
-  /// chown of the socket to client.socket_group (a missing group: a warning).
-  void give_socket_group(const std::string& path);
+  /// chown of the socket to client.socket_group; a group the node lacks
+  /// goes to `missing`.
+  void give_socket_group(const std::string& path, std::vector<std::string>& missing);
+  /// client_gids_ from the profile; one warning names every group in
+  /// `missing` and those of client.allowed_groups the node lacks.
+  void resolve_client_groups(std::vector<std::string> missing);
   void wait_signal();
   void reload();
   void begin_shutdown(const std::string& reason);
