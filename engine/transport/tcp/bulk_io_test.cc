@@ -4,6 +4,7 @@
 
 #include <doctest/doctest.h>
 #include <fcntl.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -105,12 +106,22 @@ TEST_CASE("bulk io: shutdown(2) by the owner ends a stalled write; a stop ends a
   Pair q;
   std::vector<std::byte> in(4096);
   bool called = false;
-  const auto t0 = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point t0;
   {
     BulkIo io(1);
     io.read(q.fd[0], in.data(), in.size(), [&](int, std::size_t) { called = true; });
-    std::this_thread::sleep_for(50ms);
-  }  // nothing ever arrives: the destructor ends the read (ECANCELED) and joins
+    // One byte of the 4096 arrives: once the reader took it, the read is in
+    // progress (a queued one would be dropped by the destructor, as documented).
+    const char one = 1;
+    REQUIRE(::send(q.fd[1], &one, 1, 0) == 1);
+    int pending = 1;
+    for (int i = 0; i < 500 && pending > 0; ++i) {
+      std::this_thread::sleep_for(10ms);
+      REQUIRE(::ioctl(q.fd[0], FIONREAD, &pending) == 0);
+    }
+    REQUIRE(pending == 0);
+    t0 = std::chrono::steady_clock::now();
+  }  // nothing more arrives: the destructor ends the read (ECANCELED) and joins
   CHECK(std::chrono::steady_clock::now() - t0 < 3s);
   CHECK(called);
 }
