@@ -16,7 +16,7 @@ install(FILES client/collective.h client/collective.hpp
 if(TARGET nccl_shim)
   # Its own folder, off the loader's path: NVIDIA's libnccl.so.2 stays the
   # default; LD_LIBRARY_PATH or LD_PRELOAD chooses ours (README).
-  install(TARGETS nccl_shim LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}/collectived/nccl)
+  install(TARGETS nccl_shim LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}/collectived/nccl NAMELINK_SKIP)
 endif()
 
 file(READ ${PROJECT_SOURCE_DIR}/systemd/collectived.service unit)
@@ -26,3 +26,18 @@ file(WRITE ${CMAKE_BINARY_DIR}/systemd/collectived.service "${unit}")
 install(FILES ${CMAKE_BINARY_DIR}/systemd/collectived.service
         DESTINATION lib/systemd/system)  # not LIBDIR: Debian's is multiarch
 install(FILES systemd/collectived.yaml DESTINATION ${CMAKE_INSTALL_FULL_SYSCONFDIR}/collectived)
+
+# The torch backend. The module built here (component torch: not in the
+# Debian package, see cmake/Package.cmake) goes to <libdir>/collectived/python
+# (PYTHONPATH; `import torch` first loads the libraries it needs). Its sources
+# go everywhere, laid out as in this tree, for
+# `pip install <datadir>/collectived/torch/client/torch` against any torch 2.x.
+if(TARGET collectived_torch)
+  install(DIRECTORY ${CMAKE_BINARY_DIR}/python/collectived_torch
+          DESTINATION ${CMAKE_INSTALL_LIBDIR}/collectived/python COMPONENT torch
+          PATTERN __pycache__ EXCLUDE)
+endif()
+install(FILES client/collective.h DESTINATION ${CMAKE_INSTALL_DATADIR}/collectived/torch/client)
+install(DIRECTORY client/torch/ DESTINATION ${CMAKE_INSTALL_DATADIR}/collectived/torch/client/torch
+        FILES_MATCHING PATTERN "*.cc" PATTERN "*.h" PATTERN "*.py"
+        PATTERN __pycache__ EXCLUDE)

@@ -2,6 +2,11 @@
 
     COLLECTIVED_LIBDIR=/path/with/libcollective.so pip install --no-build-isolation client/torch
 
+or, where the Debian package is installed (libcollective in the system's
+library folder):
+
+    pip install --no-build-isolation /usr/share/collectived/torch/client/torch
+
 Headers come from this source tree (client/collective.h); libcollective from
 COLLECTIVED_LIBDIR (default: the tree's build/lib, else the system's). Built
 with torch.utils.cpp_extension, so torch's include paths, C++ ABI flag and
@@ -11,6 +16,7 @@ pybind11 are the ones of the torch it is installed beside. The CMake build
 import glob
 import os
 import sys
+import tempfile
 
 import torch
 from setuptools import setup
@@ -42,7 +48,15 @@ if use_cuda:
 if os.path.isdir(libdir):
     extra_link.append("-Wl,-rpath," + libdir)
 
+# The installed sources (/usr/share/collectived/torch) are read-only: build
+# beside them in a temporary folder instead.
+options = {}
+if not os.access(here, os.W_OK):
+    scratch = tempfile.mkdtemp(prefix="collectived-torch-build-")
+    options = {"build": {"build_base": scratch}, "egg_info": {"egg_base": scratch}}
+
 setup(
+    options=options,
     name="collectived_torch",
     version="0.1.0",
     description="collectived's torch.distributed backend",
