@@ -26,11 +26,8 @@ constexpr std::uint64_t kFlagBytes = direct::flag_words * 8;
 constexpr std::uint64_t kDataAt = (kFlagBytes + 255) / 256 * 256;
 // Each block moves at least this much of a rank's block: small operations
 // stay on one block (one flag exchange), large ones spread over kMaxBlocks.
-// Measured on 2 H200 (one step; two A/B runs, 2-3 interleaved rounds): up
-// to 128 blocks of 32 KiB against up to 64 of 64 KiB made all-gather,
-// all-reduce and reduce-scatter 1.06-1.23x faster from 256 KiB to 2 MiB and
-// 1.0-1.13x at 4-32 MiB, broadcast 0.97-1.11x; up to 256 blocks was
-// 0.88-0.93x at 8-16 MiB (docs/gpu.md, twenty-second run).
+// 32 KiB blocks, up to 128, beat 64 KiB ones (up to 64) from 256 KiB on;
+// up to 256 blocks lost at 8-16 MiB (docs/gpu.md, "Measurements").
 constexpr std::uint64_t kBytesPerBlock = 32 * 1024;
 
 /// What each rank tells the others in each set-up round (through the broker, fixed size).

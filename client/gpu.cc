@@ -117,7 +117,7 @@ struct GpuState {
   /// communicator across nodes is made (gpu_comm_created), under gpu_mutex.
   /// Not at an operation: cuModuleLoadData may wait for work queued on the
   /// GPU, and a caller's stream may be waiting on something the caller does
-  /// only after the call (measured: gpu_test's late input hung in it).
+  /// only after the call (gpu_test's late-input case hung in it).
   struct StageModule {
     std::unique_ptr<KernelModule> module;
     ClientStaging::Kernels kernels;

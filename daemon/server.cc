@@ -233,9 +233,8 @@ void Server::run_event_loop() {
   // by polling. So after a handler ran, the loop keeps polling, yielding the
   // CPU between polls (other daemons, clients and workers may need it), for
   // workers.event_loop_spin_us before it sleeps. An idle daemon polls only
-  // after its heartbeats. Measured on 2 cores, 4 daemons x 1 rank: an 8-byte
-  // all-reduce 200-230 -> 90-190 us; 1-4 MiB busbw up in 22 of 24 cells
-  // (1.02-1.77x, 4 interleaved rounds). 400 us was no better than 100.
+  // after its heartbeats. Polling roughly halved an 8-byte all-reduce on 4
+  // daemons and 2 cores; spinning 400 us was no better than 100.
   using Clock = std::chrono::steady_clock;
   auto busy_at = Clock::now();
   while (!io_.stopped()) {

@@ -1037,10 +1037,9 @@ struct Engine::Impl {
         // now. Its ready-to-receive messages and posted buffers then go out
         // while the GPU still waits for the ranks' streams and copies the
         // first piece, and a node whose inputs come in later than the other's
-        // finds the other ready. Started after the first piece (before),
-        // each operation paid that round trip after its copies: measured on
-        // 2 H200, 2 daemons over TCP, all-gather 1 MiB, a staged operation
-        // spent 45-60 us between its first piece in and its data leaving.
+        // finds the other ready. Started after the first piece, each
+        // operation would pay that round trip after its copies (45-60 us of
+        // a 1 MiB staged all-gather).
         on_staging(slot, cp->nranks);
         start_across_nodes(cp, seq);
       }

@@ -1144,7 +1144,7 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
   }
   if (stage && gpu != nullptr) {
     // Each chunk of an output that is final goes back to its GPU now, while
-    // the rest of the exchange runs (docs/gpu.md, "Fourteenth run").
+    // the rest of the exchange runs (docs/gpu.md, "Across nodes").
     ch.on_written = [this, stage, outs = std::move(outs)](const std::byte* p, std::uint64_t n) {
       for (const EngineChannel::Staging& o : outs) {
         if (p >= o.base && p + n <= o.base + o.bytes) {

@@ -97,9 +97,10 @@ struct PendingPass {
   NodeChannel::Ticket ticket;
 };
 
-/// Passes over whole buffers from this size on run through NodeChannel::compute
-/// (a hand-off each way: measured at 1 MiB, 4 daemons, it cost 2.0 -> 2.8 ms per
-/// all-reduce; 8 MiB take a few ms on the event loop, well within heartbeats).
+/// Passes over whole buffers from this size on run through NodeChannel::compute.
+/// Below it the hand-off each way costs more than the pass (a 1 MiB all-reduce
+/// on 4 daemons took 40 % longer), and 8 MiB take a few ms on the event loop, well
+/// within heartbeats.
 constexpr std::uint64_t kOffloadBytes = std::uint64_t{8} << 20;
 /// The smallest input whose copy into its own place in the output runs on the
 /// worker pool beside a one-rank pairwise all-gather's exchange (where cores
@@ -107,16 +108,9 @@ constexpr std::uint64_t kOffloadBytes = std::uint64_t{8} << 20;
 constexpr std::uint64_t kOwnCopyAsyncBytes = std::uint64_t{256} << 10;
 /// The smallest part of a one-chunk reduction that goes to the worker pool
 /// (Algorithms::pairwise_reduce_scatter): below it the hand-off costs more
-/// than the part's pass. Waking a sleeping worker costs tens of microseconds
-/// on a virtual machine. Measured on 2 H200 (2 daemons over TCP, one rank
-/// each, interleaved rounds, medians; docs/gpu-bench-h200x2-run21.txt E, J):
-/// 512 KiB reduce-scatters (256 KiB segments) went from 225 to 167 us staged
-/// (1.45x) and 153 to 113 us on host buffers (1.36x) reduced inline instead
-/// of in two 128 KiB parts; 512 KiB segments (all-reduce and reduce-scatter 1
-/// MiB) were 1.06-1.14x faster inline than in two 256 KiB parts (at the edge
-/// of the noise: unchanged cells moved 0.94-1.06x), 1 MiB ones within it.
-/// (The sixteenth run had found 512 KiB segments faster in 128 KiB parts
-/// than inline, 1.07-1.37x; not seen again.)
+/// than the part's pass, since waking a sleeping worker costs tens of
+/// microseconds on a virtual machine; smaller parts made 512 KiB and 1 MiB
+/// reduce-scatters slower (docs/architecture.md, "Communicators across nodes").
 constexpr std::uint64_t kSplitReduceBytes = std::uint64_t{512} << 10;
 /// The smallest segment whose pairwise all-gather waits for ready to receive
 /// (Algorithms::all_gather_waits), and the smallest broadcast whose chain does
@@ -126,24 +120,16 @@ constexpr std::uint64_t kAllGatherReadyBytes = std::uint64_t{512} << 10;
 /// default; transfer_chunk: a segment below two of them goes whole). Each
 /// chunk is received, then forwarded by the fiber: fewer, larger ones cost
 /// fewer wake-ups, and an all-gather's ring gains nothing from finer ones
-/// (each node forwards what it has; the bytes per link are the same).
-/// Measured (2 cores, 4 daemons x 1 rank, forced ring, medians of 3
-/// interleaved rounds, all-gather 8-64 MiB): 1 MiB chunks 0.91-1.08 of
-/// Gloo's ring, 8 MiB 1.00-1.40.
+/// (each node forwards what it has; the bytes per link are the same): at
+/// 8-64 MiB, 1 MiB chunks were 0.91-1.08x of Gloo's ring, 8 MiB 1.00-1.40x.
 constexpr std::size_t kRingAllGatherChunks = 8;
 /// From this many bytes of output per node, an all-gather over three or more
 /// nodes takes the ring instead of the pairwise exchange (all_gather_kind).
-/// Measured as above (8 rounds, each pairing the two on daemons kept up;
-/// medians of the per-round ratios), the ring against pairwise: 2 and 4 MiB
-/// in all 0.87x and 0.83x, 8 and 16 MiB 0.99-1.01x, 32 and 64 MiB 1.10x and
-/// 1.09x. Pairwise keeps every link of a node busy at once, which small
-/// transfers need; on one host's loopback, for large ones, the N-1 streams
-/// per node at once cost more than they give (a real network adds the
-/// incast of N-1 senders on each receiver). That was with 4 TCP streams per
-/// peer. With one (tcp.streams_per_peer auto, no copy threads), the ring
-/// went ahead sooner: 8 MiB in all 1.10x in two runs (8 and 12 rounds), 16
-/// MiB 1.04-1.05x, 2-4 MiB 0.88-1.11x (noise); hence from 2 MiB per node,
-/// where 4 streams had left the two even.
+/// Pairwise keeps every link of a node busy at once, which small transfers
+/// need; for large ones the N-1 streams per node at once cost more than they
+/// give (a real network adds the incast of N-1 senders on each receiver).
+/// With one TCP stream per peer the ring is ahead from 2 MiB per node
+/// (docs/architecture.md, "Communicators across nodes").
 constexpr std::uint64_t kRingAllGatherMinBytes = std::uint64_t{2} << 20;
 
 class Algorithms {
@@ -199,10 +185,8 @@ class Algorithms {
   /// Without it, a node that runs ahead (a broadcast's root, the first node
   /// into a pairwise all-gather) sends before the receiver's operation has
   /// started: the bytes land in a fresh buffer (new pages, each faulted in)
-  /// and are copied into place later. Measured on 2 cores, 4 daemons,
-  /// broadcast 4 MiB: the first node after the root had 18 of ~800 chunks
-  /// placed, and the operation took 3.6-5.7 ms without the wait, 1.5-2.1 ms
-  /// with it. The wait costs a one-way latency where the receiver is late,
+  /// and are copied into place later (a 4 MiB broadcast on 4 daemons took
+  /// 2-3x as long). The wait costs a one-way latency where the receiver is late,
   /// and nothing where it posted first (the usual case after the root). The
   /// message carries the operation's description like any other, so a
   /// mismatched operation is still named at once.
@@ -217,12 +201,8 @@ class Algorithms {
   /// kAllGatherReadyBytes. Below, the bytes of every node are in flight at
   /// once, and a late receiver copies a message that landed early (from
   /// malloc's heap, which the daemon keeps: mostly warm pages) in less time
-  /// than the round trip the wait costs where 8 processes share 2 cores.
-  /// Measured there (4 daemons x 1 rank, medians of 6 interleaved rounds):
-  /// without the wait below 512 KiB, all-gathers of 256 KiB, 512 KiB and
-  /// 1 MiB in all were 1.77x, 1.34x and 1.06x faster; with it at 512 KiB
-  /// segments and above, 2 and 4 MiB were 1.12x and 1.20x faster than
-  /// without (4 rounds). Broadcast: broadcast_waits (4 MiB: 1.8x with it).
+  /// than the round trip the wait costs; from 512 KiB segments the wait pays
+  /// (docs/architecture.md, "Ready to receive"). Broadcast: broadcast_waits.
   bool all_gather_waits(std::uint64_t bytes) const {
     return posted(bytes) && bytes >= kAllGatherReadyBytes;
   }
@@ -230,11 +210,7 @@ class Algorithms {
   /// message: from kAllGatherReadyBytes too. The root runs ahead of the
   /// others, whose previous operation ends after its; below that size the
   /// wait's one-way trip costs more than the copy of an early message
-  /// saves. Measured (2 cores, 4 daemons x 1 rank, medians of 5 paired
-  /// rounds against the wait at every posted size): 128 KiB 1.40x and 256
-  /// KiB 1.14x faster without it; without it below 4 MiB instead, 1 MiB
-  /// 0.81x and 2 MiB 0.58x. On two H200 over TCP, the host path's broadcast
-  /// of 128 KiB took 53-65 us with the wait, NCCL on sockets 45-49.
+  /// saves, and above it less (docs/architecture.md, "Ready to receive").
   bool broadcast_waits(std::uint64_t bytes) const {
     return posted(bytes) && bytes >= kAllGatherReadyBytes;
   }
@@ -287,11 +263,10 @@ class Algorithms {
   /// Ring all-gather: node i's own segment is in `buf`; afterwards every
   /// segment is. Each chunk is forwarded as soon as it arrives. The receives
   /// are posted where each chunk goes (post_ring_all_gather), so the
-  /// transport reads them straight into place, and forwarded from there.
-  /// Before (each chunk received into a buffer of its own, copied into
-  /// place and forwarded from the copy) the ring was 1.3-1.8x slower than
-  /// pairwise at 8-64 MiB on 4 daemons (2 cores, medians of 3 rounds); the
-  /// copy and the fresh buffers were most of it.
+  /// transport reads them straight into place, and forwarded from there:
+  /// with each chunk received into a buffer of its own, copied into place and
+  /// forwarded from the copy, the copy and the fresh buffers made the ring
+  /// 1.3-1.8x slower than pairwise.
   void ring_all_gather(std::byte* buf, const std::vector<Segment>& segs, std::uint64_t phase) {
     ring_all_gather_send(buf, segs, phase);
     ring_all_gather_recv(buf, segs, phase);
@@ -399,9 +374,8 @@ class Algorithms {
     // Each chunk's reduction, over all nodes in node order, into `own_out`
     // or in place. Where the machine has cores to spare (parallelism() > 1),
     // up to that many run at once on the worker pool while the next chunks
-    // come in: one thread reduced every byte before, at a few GB/s, and the
-    // transfers waited for it (2 daemons on a 32-core host: reduce-scatter
-    // at 0.45-0.63x NCCL on sockets, host buffers 0.7-0.86x).
+    // come in: one thread reducing every byte, at a few GB/s, keeps the
+    // transfers waiting.
     // Bytes [from, to) of the chunk that starts at `first` (in[j] holds
     // node j's bytes of the whole chunk).
     auto reduce_part = [this, buf, &mine, dtype, op, own_out, skip_own](
@@ -460,13 +434,11 @@ class Algorithms {
       for (int k = 1; k < n_; ++k) ch_.send(mod(i_ + k), tag_of(base_, gather_phase, 0, c), pieces, nullptr);
     };
     // A segment of one chunk has nothing to overlap its reduction with:
-    // handed to the pool whole, the hand-off and back only added its latency
-    // (2 daemons on a 32-core host, 1 MiB all-reduce on host buffers: 700 us
-    // through the pool, 360-560 us inline). Cut in parts reduced at once, on
-    // this thread and on the pool (reduce_split), it takes what one core's
-    // memory bandwidth allows over a part: one thread reduced a 512 KiB
-    // segment of staged host memory in ~80-110 us (2 H200, 2 daemons,
-    // reduce-scatter 1 MiB), while the exchange waited. Parts are at least
+    // handed to the pool whole, the hand-off and back only add their latency.
+    // Cut in parts reduced at once, on this thread and on the pool
+    // (reduce_split), it takes what one core's memory bandwidth allows over a
+    // part, where one thread takes ~100 us over a 512 KiB segment of staged
+    // host memory while the exchange waits. Parts are at least
     // kSplitReduceBytes: smaller ones wait longer for a worker than they
     // take.
     const int window = chunks(total) > 1 ? ch_.parallelism() : 1;
@@ -871,11 +843,9 @@ constexpr int kRingMinNodes = 4;
 /// all-gather) or the ring. The ring's steps forward what was just
 /// reduced, still in cache, where pairwise sends every segment of the input
 /// and of the result from memory; with one rank on the node it also reduces
-/// the input where it is (ring_reduce_scatter). Measured on 2 cores, 4
-/// daemons x 1 rank, paired rounds (6, A/A 0.96-1.01): the ring 1.07-1.15x
-/// faster than pairwise at 8-64 MiB, 0.96-1.00x at 512 KiB-4 MiB, 0.81x at
-/// 2 MiB (each step one chunk: no pipelining); on 3 nodes 0.95-1.04x at 1-64
-/// MiB, so 3 nodes keep pairwise.
+/// the input where it is (ring_reduce_scatter). That wins from 8 MiB on 4
+/// nodes; below it each ring step is one chunk (no pipelining), and on 3
+/// nodes the two are even, so those keep pairwise (docs/architecture.md).
 bool large_pairwise(std::uint64_t bytes, int nodes, const NodeAlgorithmOptions& o) {
   return use_pairwise(nodes, o) &&
          !(o.algorithm == "auto" && nodes >= kRingMinNodes && bytes >= kRingMinBytes);
@@ -887,17 +857,13 @@ constexpr std::uint64_t kPairwiseScatterMaxBytes = std::uint64_t{16} << 10;
 
 /// A reduce-scatter's: pairwise on up to pairwise_max_nodes nodes, and at
 /// every node count for the smallest operations: one round of the ring's
-/// bytes instead of its N-1 sequential steps. Measured (2 cores, 8 daemons
-/// x 1 rank, paired rounds of 50-200 operations, A/A 0.94-1.07), pairwise
-/// against the ring: 8 B-8 KiB per rank 1.06-1.26x faster; 32-256 KiB per
-/// rank 0.91-0.99x (N-1 senders at once on each receiver).
+/// bytes instead of its N-1 sequential steps, which wins up to 16 KiB per
+/// rank (above it, N-1 senders at once on each receiver cost more).
 ///
 /// From kRingMinBytes per rank on kRingMinNodes nodes it takes the ring, as
 /// the all-reduce does (large_pairwise): with one rank on the node the
 /// ring reduces the input where it is and the last step straight into the
-/// output. Measured as there (4 daemons, 8 paired rounds, A/A 0.97-1.01):
-/// the ring 0.98x of pairwise at 2 MiB per rank, 1.02x at 4, 1.06x at 8 and
-/// 16; at 256 KiB per rank 0.79x.
+/// output, which is ahead of pairwise from there (docs/architecture.md).
 bool scatter_pairwise(std::uint64_t bytes, int nodes, const NodeAlgorithmOptions& o) {
   const bool small =
       o.algorithm == "auto" && bytes <= std::min<std::uint64_t>(o.direct_max_bytes, kPairwiseScatterMaxBytes);
@@ -909,14 +875,12 @@ bool scatter_pairwise(std::uint64_t bytes, int nodes, const NodeAlgorithmOptions
 /// trees for the broadcast and the reduce on more than pairwise_max_nodes.
 /// The direct exchange's one round has every node send the whole buffer N-1
 /// times (64 nodes, 64 KiB: 4 MiB out of each node per all-reduce, against
-/// 384 KiB in 6 rounds), and the chain reduce takes N-1 hops. Measured on 2
-/// cores, N daemons x 1 rank, paired rounds of 200-300 operations (A/A
-/// control 0.92-1.17): the all-reduce of 8 B-64 KiB 1.10-1.20x faster than
-/// direct on 3 nodes, 1.38-1.67x on 4, 1.53-2.30x on 8 (fewer messages for
-/// the same bytes where CPUs are scarce); the broadcast and reduce trees
-/// 0.93-1.16x of direct and chain on 3-4 nodes, 0.95-1.17x on 8, so those
-/// keep direct and chain where the exchange is small and take the trees
-/// where it grows. On 2 nodes recursive doubling is the direct exchange.
+/// 384 KiB in 6 rounds), and the chain reduce takes N-1 hops. Recursive
+/// doubling sends fewer messages for the same bytes, which wins from 3 nodes;
+/// the broadcast and reduce trees only break even up to 8 nodes, so those keep
+/// direct and chain where the exchange is small and take the trees where it
+/// grows (docs/architecture.md). On 2 nodes recursive doubling is the direct
+/// exchange.
 bool use_tree(OpKind kind, std::uint64_t bytes, int nodes, const NodeAlgorithmOptions& o) {
   if (o.algorithm == "tree") return true;
   if (o.algorithm != "auto" || bytes > o.direct_max_bytes) return false;
@@ -1182,8 +1146,8 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
         // reduced it, that is after it received ours, so our send has been
         // read by then (by any transport: the bytes reached j). The causal
         // order stands in for the flush the NodeChannel contract asks for.
-        // Before, in place received them into fresh buffers and copied them
-        // (4 daemons on 2 cores: in place 0.77x out of place at 2-4 MiB).
+        // Received into fresh buffers and copied, in place ran at 0.77x of
+        // out of place (4 daemons on 2 cores, 2-4 MiB).
         algo.post_all_gather(w, segs, 2);
         if (one_rank) {
           algo.pairwise_reduce_scatter(L[0].send, segs, op.dtype, combine, 1,
@@ -1234,16 +1198,11 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
           return;
         }
         // On the pool: the thread that runs this serves the peers too (reads
-        // their frames, places their chunks). Measured (2 H200, 2 daemons
-        // over TCP, staged all-gather 4 MiB): a 2 MiB copy here held it for
-        // ~165 us, and the other node's chunks waited. Handed to the pool
-        // before the sends leave: the event loop writes them to the sockets
-        // inline (~45 us for 256 KiB) while a worker wakes and copies. After
-        // them (before), the copy ended up to ~60 us after the other node's
-        // block was in, on the operation's path: measured on 2 H200 (2
-        // daemons over TCP, one rank each, 3 interleaved rounds, medians),
-        // all-gather 512 KiB 218 -> 189 us staged (1.15x), 90 -> 70 us on
-        // host buffers; 1 and 2 MiB within noise (0.95-1.13x).
+        // their frames, places their chunks), and a 2 MiB copy here held it
+        // for ~165 us while the other node's chunks waited. Handed to the pool
+        // before the sends leave, so that a worker wakes and copies while the
+        // event loop writes the sends to the sockets; handed over after them,
+        // the copy ended on the operation's path (docs/architecture.md).
         if (in_pieces) ch.reading(L[0].send, one);  // in already: the sends read it
         std::byte* own_dst = w + L[0].rank * one;
         const std::byte* own_src = L[0].send;

@@ -181,13 +181,11 @@ struct NodeAlgorithmOptions {
 /// The chunk in which a transfer of `total` bytes (a segment, or a chain's
 /// buffer) travels, given the profile's `chunk` (NodeAlgorithmOptions): that
 /// chunk, except that a transfer of two to four chunks is cut into four
-/// (whole pages, never above `chunk`). Two chunks kept two
-/// of tcp's four streams busy and pipelined one reduction: on a 32-core host
-/// (2 daemons, host buffers) 4 MiB all-reduce, all-gather and reduce-scatter
-/// took 0.5-0.8 of the time of 16 MiB, and 512 KiB chunks gave them
-/// 1.2-2.1x, where cutting every transfer finer slowed 1 and 16 MiB
-/// (docs/architecture.md). Sender and receiver compute it from the same
-/// total, so they agree on every chunk's tag and size.
+/// (whole pages, never above `chunk`). Two chunks keep only two of tcp's
+/// four streams busy and pipeline one reduction (4 MiB operations took nearly
+/// as long as 16 MiB ones), while cutting every transfer finer slows 1 and
+/// 16 MiB (docs/architecture.md). Sender and receiver compute it from the
+/// same total, so they agree on every chunk's tag and size.
 std::uint64_t transfer_chunk(std::uint64_t total, std::uint64_t chunk);
 
 /// An algorithm between nodes. The values are on the wire (OpData's

@@ -737,10 +737,10 @@ class CudaExecutor final : public GpuExecutor {
     if (devs.empty()) devs.push_back(devices_.front().ordinal);
     const std::uint64_t es = dtype_size(op.dtype);
     const std::uint64_t bytes = op.count * es;
-    // Measured on 2 H200 under MPS (docs/gpu.md): one GPU doing everything wins
-    // up to ~8 MiB per rank for all-reduce, broadcast and reduce (the split
-    // costs a cross-GPU event hop, ~15-20 us); for the sharded operations the
-    // split (each GPU writing its own ranks' chunks) wins above ~1 MiB per rank.
+    // One GPU doing everything wins up to ~8 MiB per rank for all-reduce,
+    // broadcast and reduce (the split costs a cross-GPU event hop, ~15-20 us);
+    // for the sharded operations the split (each GPU writing its own ranks'
+    // chunks) wins above ~1 MiB per rank (docs/gpu.md, "Measurements").
     const bool sharded = op.kind == OpKind::all_gather || op.kind == OpKind::reduce_scatter ||
                          op.kind == OpKind::all_to_all;
     const std::uint64_t limit = one_shot_env_ ? one_shot_bytes_ : sharded ? (1u << 20) : (8u << 20);
@@ -923,11 +923,9 @@ class CudaExecutor final : public GpuExecutor {
       // One staging buffer where host_in_place says so, so that the host
       // collective does not copy the input into the output first: in place
       // on the GPU, and out-of-place all-reduce and broadcast (a broadcast
-      // root's output is then copied on its GPU, stage_out). Before, a
-      // broadcast root copied its whole buffer on the CPU (and, out of
-      // place, back to the GPU). Measured on 2 H200, 2 daemons over TCP,
-      // two runs of 3 interleaved rounds (medians): out-of-place broadcast
-      // 1.14-1.64x faster at 1-16 MiB; all-reduce 0.96-1.14x (noise).
+      // root's output is then copied on its GPU, stage_out), rather than a
+      // broadcast root copying its whole buffer on the CPU (and, out of
+      // place, back to the GPU).
       st->recv[r] = st->take(op.recv[r].bytes);
       st->send[r] = host_in_place(op, r) ? st->recv[r] : st->take(op.send[r].bytes);
     }
@@ -1014,9 +1012,8 @@ class CudaExecutor final : public GpuExecutor {
       // one empty piece (the event after the stream waits) stands for that,
       // so that its host collective starts now too, and its ready to
       // receive goes out while the GPU still waits for the streams. Started
-      // after them (before), the root waited for that message: measured on
-      // 2 H200, 2 daemons over TCP, broadcast 1 MiB, the root's data left
-      // ~120 us after its input was in host memory.
+      // after them, the root waits for that message (~120 us at 1 MiB after
+      // its input is in host memory).
       const bool waits_only = op.kind == OpKind::broadcast && in_bytes == 0 && op.count != 0;
       if (uniform && (in_bytes != 0 || waits_only)) {
         piece = op.in_piece_bytes;
@@ -1592,9 +1589,8 @@ class CudaExecutor final : public GpuExecutor {
     std::memcpy(&data, a.handle.data(), sizeof data);
     // An imported pool's memory is reachable from its own GPU only until
     // access is granted: the other GPUs' kernels read and write it over
-    // NVLink (split operations). Without this a kernel of the other GPU hit
-    // unmapped memory and the operation never completed (the eighth run's
-    // hang).
+    // NVLink (split operations). Without this a kernel of the other GPU hits
+    // unmapped memory and the operation never completes.
     for (const auto& d : devices_) {
       const int other = d.ordinal;
       if (other == dev) continue;
@@ -1723,11 +1719,10 @@ class CudaExecutor final : public GpuExecutor {
         // (in place at the root, as PyTorch's broadcast is): the other GPU
         // pulls the first half of the root's bytes and the root's GPU pushes
         // the second half, each on its own copy engine: two DMA engines on the
-        // one NVLink direction. Measured on 2 H200 (docs/gpu.md, eighth run):
-        // +33 % at 16 MiB, +10 % at 64 MiB, +1-3 % from 256 MiB over the pull
-        // alone. With a copy inside the root's GPU the push would queue behind
-        // it on the same stream (out of place it was 11 % slower), so then the
-        // other GPU pulls it all.
+        // one NVLink direction, faster than the pull alone (most at 16-64
+        // MiB). With a copy inside the root's GPU the push would queue behind
+        // it on the same stream, so then the other GPU pulls it all
+        // (docs/gpu.md, "Measurements").
         bool root_gpu_idle = true;
         for (int r = 0; r < n; ++r) {
           if (rank_dev[r] == rank_dev[op.root] && recv[r] != send[op.root]) root_gpu_idle = false;
@@ -1796,12 +1791,11 @@ class CudaExecutor final : public GpuExecutor {
                     std::string(to_string(op.kind)) + " does not run on GPU buffers");
     }
     // Large copies between GPUs go to the copy engines when this GPU's share
-    // is only such copies: a DMA over NVLink needs no SMs and, measured on 2
-    // H200 (docs/gpu.md, eighth run), moves 4-12 % more per second than the
-    // copy kernel over the peer mapping from 16 MiB (broadcast). A share that
-    // also copies inside the GPU keeps the one kernel: on the same stream the
-    // copy engine and the kernel run one after the other, where the kernel
-    // overlaps both (all-gather out of place was 6-28 % slower that way).
+    // is only such copies: a DMA over NVLink needs no SMs and moves more per
+    // second than the copy kernel over the peer mapping from 16 MiB. A share
+    // that also copies inside the GPU keeps the one kernel: on the same stream
+    // the copy engine and the kernel run one after the other, where the kernel
+    // overlaps both (docs/gpu.md, "Measurements").
     const bool engines = copy_engine_min_bytes_ != 0 && one >= copy_engine_min_bytes_ &&
                          std::all_of(pairs.begin(), pairs.end(), [](const Copy& c) { return c.peer; });
     std::vector<CopyPart> kernel_parts;
@@ -1846,7 +1840,7 @@ class CudaExecutor final : public GpuExecutor {
   /// chunk's GPU), with one copy kernel reading several GPUs at once. The
   /// root GPU's links carry 2 (k - 1) / k of the bytes where every GPU pulling
   /// the whole buffer from the root made them carry k - 1 times the bytes
-  /// (4 H200: 125 GB/s busbw against NCCL's 338, docs/gpu.md eleventh run).
+  /// (on 4 H200, a third of NCCL's broadcast bandwidth).
   void broadcast_step(const GpuCollective& op, const std::vector<int>& rank_dev,
                       const std::vector<int>& exec, std::size_t i, const std::vector<std::byte*>& send,
                       const std::vector<std::byte*>& recv, int step, int blocks, cudaStream_t stream) {
@@ -2090,10 +2084,10 @@ class CudaExecutor final : public GpuExecutor {
   const bool one_shot_env_ = one_shot_bytes_ != 0;
   // Across nodes, operations of more than this many bytes per rank (count x
   // element size) are cut into chunks of it, so that the copies to and from
-  // host memory overlap the exchange between nodes (0: never cut). Measured
-  // on 2 H200 over TCP (docs/gpu.md, "Pipelined"): from faster in 13 of 16
-  // cases to a wash, depending on the algorithms between nodes. Every daemon
-  // of a cluster must use the same value (profile gpu.stage_chunk_bytes).
+  // host memory overlap the exchange between nodes (0: never cut, the
+  // default: what it gains depends on the host path between the daemons;
+  // docs/gpu.md, "Pipelined"). Every daemon of a cluster must use the same
+  // value (profile gpu.stage_chunk_bytes).
   const std::uint64_t stage_chunk_bytes_;
   // Copies from one GPU to another of at least this many bytes go to the
   // copy engines (cudaMemcpyAsync over the peer mapping) instead of the copy

@@ -690,7 +690,7 @@ TEST_CASE("gpu: allocation kinds: cuMemCreate (fd), cudaMallocAsync default pool
   });
 }
 
-// The eighth run hung here on 2 H200 (daemon's path): the pool imported by the
+// This hung on 2 H200 (daemon's path) while the pool imported by the
 // daemon was reachable from its own GPU only, and the other GPU's kernel
 // (split operation) touched it; the daemon now grants every GPU access
 // (cuMemPoolSetAccess). `mode`: gpu.client_kernels; with "on" the client's

@@ -1,10 +1,9 @@
 // Threads that move the bulk bytes of peer streams: the raw bytes of a data
 // chunk read from a socket into its reassembly buffer, and a data chunk
-// (frame + bytes in place) written to a socket. The daemon's event loop
-// otherwise does every socket copy of every peer itself: measured on a 16-core
-// GPU machine, two daemons over loopback TCP kept that one thread 76-83 % busy
-// while moving 1.5-1.9 GB/s, half of what the same sockets carry with the
-// copies on more cores. Frames, handshakes and heartbeats stay on the event
+// (frame + bytes in place) written to a socket. Otherwise the daemon's event
+// loop does every socket copy of every peer itself, and that one thread, not
+// the sockets, limits what a daemon moves where cores are spare
+// (docs/architecture.md). Frames, handshakes and heartbeats stay on the event
 // loop; only transfers of at least kMinBytes come here.
 //
 // Reads and writes have separate threads. A read waits only for bytes that a
@@ -57,9 +56,9 @@ class BulkIo {
   /// While a Batch lives, write() queues without waking a thread; its end
   /// wakes one per write queued meanwhile. For the chunks of one message
   /// spread over several streams: each wake-up can put the woken thread on
-  /// the caller's core ahead of it, so that the next chunk was handed over
-  /// ~15 us later (measured on 2 H200, 2 daemons); woken together, the
-  /// threads start together. Nests; one thread's (the event loop's).
+  /// the caller's core ahead of it, delaying the next chunk's hand-over by
+  /// ~15 us; woken together, the threads start together. Nests; one thread's
+  /// (the event loop's).
   class Batch {
    public:
     explicit Batch(BulkIo& io);

@@ -160,7 +160,7 @@ boost::system::error_code bulk_error(int err) {
 
 // Asio's transfer_all() moves at most 64 KiB per system call (its default
 // maximum transfer size): a 1 MiB chunk then costs 16 sendmsg or recv calls
-// and as many trips through the reactor (measured: 4 per 256 KiB message).
+// and as many trips through the reactor.
 // Whole pieces let the kernel take, in one call, what its socket buffer holds.
 struct TransferAllLarge {
   std::size_t operator()(const boost::system::error_code& ec, std::size_t /*done*/) const {
@@ -183,14 +183,11 @@ void PeerStream::read_next() {
   // With copy threads, frames are read in small slices: a chunk's raw bytes
   // follow its frame, and whatever of them a read takes into the decoder is
   // copied again from there (drain) on this thread, one chunk after the
-  // other, before a copy thread takes the rest. With 64 KiB reads, half of
+  // other, before a copy thread takes the rest: with 64 KiB reads, half of
   // every 128 KiB piece of a message spread over the streams passed through
-  // the event loop twice (measured on 2 H200, 2 daemons: the four frames of
-  // one 512 KiB message handled ~16 us apart). Reading kFrameReadBytes, the
-  // raw bytes go from the socket straight to where they belong. Without
-  // copy threads this thread copies every byte anyway, and the larger read
-  // was the faster one (2 cores, 4 daemons: all-gather and reduce-scatter
-  // 2-8 MiB 0.77-0.99x with 8 KiB reads, 6 interleaved rounds).
+  // the event loop twice. Reading kFrameReadBytes, the raw bytes go from the
+  // socket straight to where they belong. Without copy threads this thread
+  // copies every byte anyway, and the larger read is the faster one.
   auto space = decoder_.read_space();
   if (bulk_ != nullptr && space.size() > kFrameReadBytes) space = space.first(kFrameReadBytes);
   socket_.async_read_some(asio::buffer(space.data(), space.size()),
@@ -958,13 +955,10 @@ void PeerLink::start_send(std::uint64_t channel,
   // tcp.chunk_bytes (an algorithm's chunk: 1 MiB by default) goes through one
   // socket on one thread, at what one TCP stream does. Where messages follow
   // each other they are spread already, one per stream, and cutting them
-  // further only adds chunks: measured on a 32-core host, 2 daemons, host
-  // buffers, cutting every message: 1-4 MiB all-gather, broadcast and
-  // reduce-scatter 1.0-1.7x, but 64-256 MiB all-reduce and reduce-scatter
-  // 0.8x. A lone message under kSpreadMinBytes stays whole on the event
+  // further only adds chunks (large all-reduces and reduce-scatters lost a
+  // fifth). A lone message under kSpreadMinBytes stays whole on the event
   // loop: the hand-offs to the copy threads and back cost more than the
-  // copies take (same host: operations of 256 KiB, 128-256 KiB messages,
-  // took 1.2-1.5x as long with the copy threads as without).
+  // copies take (docs/architecture.md, bulk copy threads).
   if (options_.bulk != nullptr && streams_.size() > 1 && in_flight_.empty() && bytes >= kSpreadMinBytes) {
     const std::uint64_t per = (bytes + streams_.size() - 1) / streams_.size();
     const std::uint64_t spread = std::max<std::uint64_t>(BulkIo::kMinBytes, (per + 4095) & ~std::uint64_t{4095});

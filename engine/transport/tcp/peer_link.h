@@ -54,10 +54,9 @@ struct PeerOptions {
 /// Sets the congestion control `congestion` (empty: the system's) on a
 /// socket that is not connected yet: an outgoing one before connect, the
 /// listener before listen (accepted sockets inherit it). Set later, it would
-/// come after the system default's initialization, and bbr's (pacing on
-/// timers) outlives a switch: measured, 4 daemons on 2 cores, all-gather
-/// 64 MiB 62-68 ms with the system on bbr and cubic set on connected streams,
-/// 32-36 ms with the system on cubic. Returns why it was refused, or "".
+/// come after the system default's initialization, and bbr's pacing on timers
+/// outlives the switch (a 64 MiB all-gather took twice as long;
+/// docs/architecture.md). Returns why it was refused, or "".
 std::string set_congestion_control(int fd, const std::string& congestion);
 /// The congestion control of a socket ("" if it cannot be read).
 std::string congestion_control_of(int fd);

@@ -91,23 +91,18 @@ class PeerManager::Pending final : public StreamSink,
 
 std::uint32_t effective_io_threads(std::uint32_t configured, unsigned cores) {
   // Bulk copy threads pay off where cores are spare; on a machine of 2-3
-  // cores they only add hand-offs (measured: 4 daemons on 2 cores, all-reduce
-  // 1 MiB 0.61 -> 0.49 GB/s busbw with 4 threads). At most (cores - 2) / 2.
+  // cores they only add hand-offs (a 1 MiB all-reduce on 4 daemons lost a
+  // fifth with 4 threads). At most (cores - 2) / 2.
   return std::min<std::uint32_t>(configured, cores >= 4 ? (cores - 2) / 2 : 0);
 }
 
 std::uint32_t effective_streams(std::uint32_t configured, std::uint32_t io_threads) {
   if (configured != 0) return configured;
-  // Several streams pay off where copy threads move them at once (2 daemons
-  // on a 32-core host, 4 threads: one stream 1.4-2.3x slower from 4 MiB).
-  // Where the event loop copies every byte, it reads one stream's chunk at a
-  // time while the others' bytes wait in their socket buffers and leave the
-  // cache before it reads them: one stream, measured on 2 cores (4 daemons x
-  // 1 rank on loopback, 6 paired rounds, medians) 1.06-1.17x faster for the
-  // all-gather at 4-64 MiB, 1.10-1.13x for the reduce-scatter, 1.04-1.08x
-  // for the broadcast at 16-64 MiB, the all-reduce unchanged (0.95-1.03x);
-  // per all-gather, the kernel's receive copies (_copy_to_iter) had taken
-  // 1.4x the time Open MPI's took for the same bytes.
+  // Several streams pay off where copy threads move them at once. Where the
+  // event loop copies every byte, it reads one stream's chunk at a time while
+  // the others' bytes wait in their socket buffers and leave the cache
+  // before it reads them, so one stream is faster there
+  // (docs/architecture.md, streams per peer).
   return io_threads > 0 ? kAutoStreams : 1;
 }
 
