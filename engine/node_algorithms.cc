@@ -16,82 +16,13 @@
 #include "engine/algorithms/passes.h"
 #include "engine/algorithms/ring.h"
 #include "engine/algorithms/selector.h"
+#include "engine/algorithms/tree.h"
 #include "engine/reduce.h"
 #include "ipc/error.h"
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-
-// ----------------------------------------------------------------------
-// Binomial trees between nodes for the broadcast and the reduce: ceil(log2 N)
-// rounds, where the direct broadcast has the root send N-1 times and the
-// chain reduce takes N-1 hops. For small operations on many nodes.
-
-
-
-namespace collectived::engine::algorithms {
-
-/// Binomial-tree broadcast of `bytes` at `buf` from node `root`. Node v
-/// (counted from the root) receives from v less its lowest set bit, then
-/// sends to v + 2^k for each 2^k below that bit, farthest first.
-void tree_broadcast(Context& c, std::byte* buf, std::uint64_t bytes, int root, std::uint64_t phase);
-
-/// Binomial-tree reduce toward node `root` (the broadcast's tree, leaves
-/// first): node v reduces what v + 1, v + 2, v + 4, ... (below its lowest
-/// set bit) send, then sends to its parent; the root's `buf` then holds the
-/// reduction over all nodes.
-void tree_reduce(Context& c, std::byte* buf, std::uint64_t bytes, int root, DType dtype, RedOp op,
-                 std::uint64_t phase);
-
-}  // namespace collectived::engine::algorithms
-
-namespace collectived::engine::algorithms {
-
-void tree_broadcast(Context& c, std::byte* buf, std::uint64_t bytes, int root, std::uint64_t phase) {
-  const int n = c.n();
-  NodeChannel& ch = c.ch();
-  const int v = c.mod(c.i() - root);
-  int top = 1;
-  while (top < n) top *= 2;
-  int below = top;
-  if (v == 0) {
-    c.need(buf, bytes);
-  } else {
-    below = v & -v;
-    const int parent = c.mod(v - below + root);
-    NodePayload m = ch.recv(parent, c.tag(phase, 0, 0));
-    expect_size(m, bytes, parent);
-    copy_bytes(buf, m.data(), bytes);
-    c.final(buf, bytes);
-  }
-  for (int mask = below >> 1; mask > 0; mask >>= 1) {
-    if (v + mask < n) ch.send(c.mod(v + mask + root), c.tag(phase, 0, 0), buf, bytes);
-  }
-}
-
-void tree_reduce(Context& c, std::byte* buf, std::uint64_t bytes, int root, DType dtype, RedOp op,
-                 std::uint64_t phase) {
-  const int n = c.n();
-  NodeChannel& ch = c.ch();
-  const int v = c.mod(c.i() - root);
-  int top = 1;
-  while (top < n) top *= 2;
-  const int below = v == 0 ? top : (v & -v);
-  for (int mask = 1; mask < below && v + mask < n; mask <<= 1) {
-    const int child = c.mod(v + mask + root);
-    NodePayload m = ch.recv(child, c.tag(phase, 0, 0));
-    expect_size(m, bytes, child);
-    if (bytes != 0) reduce2(dtype, op, buf, m.data(), bytes);
-  }
-  if (v == 0) {
-    c.final(buf, bytes);
-  } else {
-    ch.send(c.mod(v - below + root), c.tag(phase, 0, 0), buf, bytes);
-  }
-}
-
-}  // namespace collectived::engine::algorithms
 
 // ----------------------------------------------------------------------
 // Recursive doubling between nodes for the all-reduce: log2 N rounds of the
