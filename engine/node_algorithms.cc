@@ -14,91 +14,15 @@
 #include "engine/algorithms/direct.h"
 #include "engine/algorithms/pairwise.h"
 #include "engine/algorithms/passes.h"
+#include "engine/algorithms/recursive_doubling.h"
 #include "engine/algorithms/ring.h"
 #include "engine/algorithms/selector.h"
 #include "engine/algorithms/tree.h"
 #include "engine/reduce.h"
 #include "ipc/error.h"
 
-#include <cstddef>
 #include <cstdint>
 #include <cstring>
-
-// ----------------------------------------------------------------------
-// Recursive doubling between nodes for the all-reduce: log2 N rounds of the
-// whole buffer with one partner each, where the direct exchange sends it N-1
-// times per node in one round. For small all-reduces on 3 or more nodes (on 2
-// it is the direct exchange).
-
-
-
-namespace collectived::engine::algorithms {
-
-/// Recursive doubling all-reduce of `bytes` at `buf`. With N = p + r (p the
-/// largest power of two up to N), node 2k < 2r first hands its contribution
-/// to node 2k+1 and gets the result back from it at the end; the p others
-/// take part as virtual nodes 0..p-1 in node order. Each combination puts
-/// the lower nodes' value first on both ends, so every node reduces the same
-/// expression: the same bits.
-void recursive_doubling_all_reduce(Context& c, std::byte* buf, std::uint64_t bytes, DType dtype,
-                                   RedOp op, std::uint64_t phase);
-
-}  // namespace collectived::engine::algorithms
-
-namespace collectived::engine::algorithms {
-
-void recursive_doubling_all_reduce(Context& c, std::byte* buf, std::uint64_t bytes, DType dtype,
-                                   RedOp op, std::uint64_t phase) {
-  const int n = c.n(), i = c.i();
-  NodeChannel& ch = c.ch();
-  int p = 1;
-  while (p * 2 <= n) p *= 2;
-  const int r = n - p;
-  const std::uint64_t count = bytes / dtype_size(dtype);
-  auto node_of = [r](int v) { return v < r ? 2 * v + 1 : v + r; };
-  // Steps: 0..log2(p)-1 the rounds (on 2 nodes: the direct exchange's
-  // message), then the hand-over and the hand-back.
-  int rounds = 0;
-  for (int m = 1; m < p; m <<= 1) ++rounds;
-  const std::uint64_t over = static_cast<std::uint64_t>(rounds), back = over + 1;
-  auto combine = [&](const std::byte* lower, const std::byte* upper) {
-    const void* srcs[2] = {lower, upper};
-    if (count != 0) reduce(dtype, op, buf, srcs, 2, count, 1);
-  };
-  int v = 0;
-  if (i < 2 * r && i % 2 == 0) {
-    ch.send(i + 1, c.tag(phase, over, 0), buf, bytes);
-    NodePayload m = ch.recv(i + 1, c.tag(phase, back, 0));
-    expect_size(m, bytes, i + 1);
-    ch.flush();  // `buf` went out in place
-    copy_bytes(buf, m.data(), bytes);
-    return;
-  }
-  if (i < 2 * r) {
-    NodePayload m = ch.recv(i - 1, c.tag(phase, over, 0));
-    expect_size(m, bytes, i - 1);
-    combine(m.data(), buf);
-    v = i / 2;
-  } else {
-    v = i - r;
-  }
-  std::uint64_t step = 0;
-  for (int mask = 1; mask < p; mask <<= 1, ++step) {
-    const int pv = v ^ mask, peer = node_of(pv);
-    ch.send(peer, c.tag(phase, step, 0), buf, bytes);
-    NodePayload m = ch.recv(peer, c.tag(phase, step, 0));
-    expect_size(m, bytes, peer);
-    ch.flush();  // `buf` went out in place and is overwritten now
-    if (pv < v) {
-      combine(m.data(), buf);
-    } else {
-      combine(buf, m.data());
-    }
-  }
-  if (i < 2 * r) ch.send(i - 1, c.tag(phase, back, 0), buf, bytes);
-}
-
-}  // namespace collectived::engine::algorithms
 
 // ----------------------------------------------------------------------
 // The exchange between nodes: every node sends every other node what is
