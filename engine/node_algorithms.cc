@@ -38,9 +38,17 @@ constexpr std::uint64_t kOwnCopyAsyncBytes = std::uint64_t{256} << 10;
 /// that serves the peers when large (offload); per-chunk work stays where
 /// the chunk is.
 struct Run {
-  Run(NodeChannel& channel, const NodeCollective& o, const NodeAlgorithmOptions& opts, std::uint64_t base)
-      : ch(channel), op(o), options(opts), algo(channel, opts, base), n(channel.nodes()), me(channel.node()),
-        es(dtype_size(o.dtype)), one(o.count * es), L(o.local),
+  Run(NodeChannel& channel, const NodeCollective& o, const NodeAlgorithmOptions& opts,
+      std::uint64_t base)
+      : ch(channel),
+        op(o),
+        options(opts),
+        algo(channel, opts, base),
+        n(channel.nodes()),
+        me(channel.node()),
+        es(dtype_size(o.dtype)),
+        one(o.count * es),
+        L(o.local),
         // avg is a sum until the very end, where it is divided once by nranks.
         combine(o.redop == RedOp::avg ? RedOp::sum : o.redop),
         // Chunks of the output are told final as they land
@@ -49,7 +57,8 @@ struct Run {
         // avg (divided at the very end, unless the division is the client's).
         tell(L.size() == 1 && (o.redop != RedOp::avg || o.own_contribution_elsewhere)),
         // The input may still be arriving: every read of it waits for its bytes.
-        in_pieces(reads_input_in_pieces(o.kind, one, o.nranks, static_cast<int>(L.size()), n, opts)) {
+        in_pieces(
+            reads_input_in_pieces(o.kind, one, o.nranks, static_cast<int>(L.size()), n, opts)) {
     algo.guard_input(in_pieces);
   }
 
@@ -123,8 +132,8 @@ void run_all_reduce(Run& r) {
   const bool one_rank =
       r.L.size() == 1 && !use_direct(r.one, r.options) && pairwise && segs[r.me].size() <= 1;
   // One rank, ring: its input is reduced where it is (ring_reduce_scatter).
-  const bool ring_one =
-      r.L.size() == 1 && choose_node_algorithm(r.op.kind, r.one, r.n, r.options) == NodeAlgorithm::ring;
+  const bool ring_one = r.L.size() == 1 && choose_node_algorithm(r.op.kind, r.one, r.n,
+                                                                 r.options) == NodeAlgorithm::ring;
   if (!one_rank && !ring_one) {
     // The direct one reads the whole input here, in whatever pieces it
     // arrives (reads_input_in_pieces).
@@ -139,7 +148,8 @@ void run_all_reduce(Run& r) {
   } else if (pairwise) {
     pairwise_all_reduce(r, w, segs, one_rank);
   } else {
-    ring_reduce_scatter(r.algo, w, segs, r.op.dtype, r.combine, 1, ring_one ? r.L[0].send : nullptr);
+    ring_reduce_scatter(r.algo, w, segs, r.op.dtype, r.combine, 1,
+                        ring_one ? r.L[0].send : nullptr);
     ring_all_gather(r.algo, w, segs, 2);
   }
   if (r.op.redop == RedOp::avg) r.ch.flush();  // `w` went out in place; divided next
@@ -176,7 +186,8 @@ void pairwise_all_gather_one_rank(Run& r, std::byte* w, const std::vector<Segmen
   if (r.in_pieces) r.ch.reading(r.L[0].send, one);  // in already: the sends read it
   std::byte* own_dst = w + r.L[0].rank * one;
   const std::byte* own_src = r.L[0].send;
-  PendingPass own{r.ch, r.ch.compute_async([own_dst, own_src, one] { copy_bytes(own_dst, own_src, one); })};
+  PendingPass own{
+      r.ch, r.ch.compute_async([own_dst, own_src, one] { copy_bytes(own_dst, own_src, one); })};
   r.ch.start_sends();
   auto finish_own = [&] {
     own.wait();
@@ -218,12 +229,14 @@ void run_all_gather(Run& r) {
 void run_reduce_scatter(Run& r) {
   const std::uint64_t one = r.one;
   const std::uint64_t total = one * r.op.nranks;
-  if (r.op.own_contribution_elsewhere && (r.L.size() != 1 || !reduce_scatter_own_elsewhere(r.n, r.options))) {
+  if (r.op.own_contribution_elsewhere &&
+      (r.L.size() != 1 || !reduce_scatter_own_elsewhere(r.n, r.options))) {
     throw Error(Code::invalid_argument,
                 "a reduce-scatter leaving its own contribution to the client takes one rank "
                 "per node, two nodes and the pairwise algorithm; here node " +
                     std::to_string(r.me) + " of " + std::to_string(r.n) + " has " +
-                    std::to_string(r.L.size()) + " ranks, collectives.algorithm " + r.options.algorithm);
+                    std::to_string(r.L.size()) + " ranks, collectives.algorithm " +
+                    r.options.algorithm);
   }
   const auto segs = [&] { return rank_segments(r.op.node_of_rank, one, r.n); };
   const bool pairwise = scatter_pairwise(one, r.n, r.options);
@@ -233,8 +246,8 @@ void run_reduce_scatter(Run& r) {
     // contribution left out: the other node's, as it came (the client
     // combines them on the GPU, and divides avg).
     r.algo.tell_final(r.tell);
-    pairwise_reduce_scatter(r.algo, r.L[0].send, segs(), r.op.dtype, r.combine, 1, r.L[0].recv, 0, true,
-                            r.op.own_contribution_elsewhere);
+    pairwise_reduce_scatter(r.algo, r.L[0].send, segs(), r.op.dtype, r.combine, 1, r.L[0].recv, 0,
+                            true, r.op.own_contribution_elsewhere);
     if (!r.op.own_contribution_elsewhere) r.finish_avg(r.L[0].recv, one);
     return;
   }
@@ -306,7 +319,8 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
                                    const NodeAlgorithmOptions& options, std::uint64_t base) {
   if (op.local.empty()) throw Error(Code::internal, "a node collective without local ranks");
   if (op.own_contribution_elsewhere && op.kind != OpKind::reduce_scatter) {
-    throw Error(Code::invalid_argument, "only a reduce-scatter leaves its own contribution to the client");
+    throw Error(Code::invalid_argument,
+                "only a reduce-scatter leaves its own contribution to the client");
   }
   Run r(ch, op, options, base);
   // An operation of zero bytes still meets every other node once, so that a

@@ -13,7 +13,8 @@
 //     N-1 steps, each to one neighbour), pipelined in chunks so that the
 //     reduction of one chunk overlaps the transfer of the next; an
 //     all-gather over 3 or more nodes takes the ring from 2 MiB of output
-//     per node, in chunks 8x tcp.chunk_bytes (node_algorithms.cc says why);
+//     per node, in chunks 8x tcp.chunk_bytes (engine/algorithms/selector.cc
+//     and ring.cc say why);
 //   - direct exchange (latency: one round, every node sends its whole
 //     contribution to every other node and reduces them in node order);
 //   - chains for broadcast and reduce (pipelined in chunks, each link carries

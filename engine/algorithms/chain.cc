@@ -4,7 +4,8 @@
 
 namespace collectived::engine::algorithms {
 
-void chain_broadcast(Context& c, std::byte* buf, std::uint64_t bytes, int root, std::uint64_t phase) {
+void chain_broadcast(Context& c, std::byte* buf, std::uint64_t bytes, int root,
+                     std::uint64_t phase) {
   const int n = c.n(), i = c.i();
   NodeChannel& ch = c.ch();
   const int pos = c.mod(i - root);

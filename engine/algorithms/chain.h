@@ -14,7 +14,8 @@ namespace collectived::engine::algorithms {
 /// Pipelined chain broadcast of `bytes` at `buf` from node `root`: root,
 /// root+1, ...; each chunk is received in place where the transport places
 /// it, and forwarded at once.
-void chain_broadcast(Context& c, std::byte* buf, std::uint64_t bytes, int root, std::uint64_t phase);
+void chain_broadcast(Context& c, std::byte* buf, std::uint64_t bytes, int root,
+                     std::uint64_t phase);
 
 /// Pipelined chain reduce toward node `root`: the chain starts at root+1 and
 /// ends at root, whose `buf` then holds the reduction over all nodes.

@@ -30,7 +30,8 @@ void Context::post_segment(int from, std::byte* buf, const Segment& seg, std::ui
     const auto [lo, hi] = chunk_span(total, c);
     const auto pieces = pieces_of(buf, seg, lo, hi);
     if (pieces.size() != 1) continue;
-    ch_.post(from, tag(phase, step, c), {const_cast<std::byte*>(pieces[0].data()), pieces[0].size()});
+    ch_.post(from, tag(phase, step, c),
+             {const_cast<std::byte*>(pieces[0].data()), pieces[0].size()});
   }
 }
 

@@ -32,9 +32,8 @@ inline std::uint64_t tag_of(std::uint64_t base, std::uint64_t phase, std::uint64
 
 inline void expect_size(const NodePayload& m, std::uint64_t want, int from) {
   if (m.size != want) {
-    throw Error(Code::mismatch, "node " + std::to_string(from) + " sent " +
-                                    std::to_string(m.size) + " bytes where " +
-                                    std::to_string(want) + " were expected");
+    throw Error(Code::mismatch, "node " + std::to_string(from) + " sent " + std::to_string(m.size) +
+                                    " bytes where " + std::to_string(want) + " were expected");
   }
 }
 
@@ -56,8 +55,11 @@ inline constexpr std::uint64_t kAllGatherReadyBytes = std::uint64_t{512} << 10;
 class Context {
  public:
   Context(NodeChannel& ch, const NodeAlgorithmOptions& o, std::uint64_t base)
-      : ch_(ch), n_(ch.nodes()), i_(ch.node()),
-        chunk_(std::max<std::size_t>(o.chunk_bytes, 64) & ~std::size_t{63}), base_(base) {}
+      : ch_(ch),
+        n_(ch.nodes()),
+        i_(ch.node()),
+        chunk_(std::max<std::size_t>(o.chunk_bytes, 64) & ~std::size_t{63}),
+        base_(base) {}
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
 
@@ -86,7 +88,8 @@ class Context {
   }
   void need(std::byte* buf, const Segment& seg, std::uint64_t from, std::uint64_t to) {
     if (!guard_) return;
-    for_pieces(buf, seg, from, to, [&](std::byte* p, std::uint64_t, std::uint64_t len) { need(p, len); });
+    for_pieces(buf, seg, from, to,
+               [&](std::byte* p, std::uint64_t, std::uint64_t len) { need(p, len); });
   }
 
   /// The chunk of a transfer of `total` bytes (transfer_chunk): both ends
@@ -122,7 +125,9 @@ class Context {
   /// the receiver is late, and nothing where it posted first (the usual case
   /// after the root). The message carries the operation's description like
   /// any other, so a mismatched operation is still named at once.
-  void tell_ready(int to, std::uint64_t phase) { ch_.send(to, tag(phase, kReadyStep, 0), nullptr, 0); }
+  void tell_ready(int to, std::uint64_t phase) {
+    ch_.send(to, tag(phase, kReadyStep, 0), nullptr, 0);
+  }
   void await_ready(int from, std::uint64_t phase) {
     expect_size(ch_.recv(from, tag(phase, kReadyStep, 0)), 0, from);
   }

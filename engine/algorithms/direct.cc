@@ -2,7 +2,8 @@
 
 namespace collectived::engine::algorithms {
 
-void direct_all_gather(Context& c, std::byte* buf, const std::vector<Segment>& segs, std::uint64_t phase) {
+void direct_all_gather(Context& c, std::byte* buf, const std::vector<Segment>& segs,
+                       std::uint64_t phase) {
   const int n = c.n(), i = c.i();
   NodeChannel& ch = c.ch();
   const std::uint64_t mine = segment_bytes(segs[i]);
@@ -44,7 +45,8 @@ void direct_all_reduce(Context& c, std::byte* buf, std::uint64_t bytes, DType dt
   reduce(dtype, op, buf, srcs.data(), srcs.size(), bytes / dtype_size(dtype), 1);
 }
 
-void direct_broadcast(Context& c, std::byte* buf, std::uint64_t bytes, int root, std::uint64_t phase) {
+void direct_broadcast(Context& c, std::byte* buf, std::uint64_t bytes, int root,
+                      std::uint64_t phase) {
   const int n = c.n(), i = c.i();
   NodeChannel& ch = c.ch();
   if (i == root) {

@@ -12,7 +12,8 @@
 namespace collectived::engine::algorithms {
 
 /// Direct all-gather: every node sends its segment to every other one.
-void direct_all_gather(Context& c, std::byte* buf, const std::vector<Segment>& segs, std::uint64_t phase);
+void direct_all_gather(Context& c, std::byte* buf, const std::vector<Segment>& segs,
+                       std::uint64_t phase);
 
 /// Direct all-reduce of `bytes` at `buf`: one round, then every node reduces
 /// the N contributions in node order (so all get the same bits).
@@ -21,6 +22,7 @@ void direct_all_reduce(Context& c, std::byte* buf, std::uint64_t bytes, DType dt
 
 /// Direct broadcast of `bytes` at `buf` from node `root`: the root sends it
 /// to every other node.
-void direct_broadcast(Context& c, std::byte* buf, std::uint64_t bytes, int root, std::uint64_t phase);
+void direct_broadcast(Context& c, std::byte* buf, std::uint64_t bytes, int root,
+                      std::uint64_t phase);
 
 }  // namespace collectived::engine::algorithms

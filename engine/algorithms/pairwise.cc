@@ -22,7 +22,8 @@ void post_into_output(Context& c, std::byte* own_out, std::uint64_t total, std::
   const int j = c.mod(c.i() + 1);
   for (std::uint64_t k = 0; k < c.chunks(total); ++k) {
     const Context::ChunkSpan span = c.chunk_span(total, k);
-    c.ch().post(j, c.tag(phase, static_cast<std::uint64_t>(j), k), {own_out + span.from, span.to - span.from});
+    c.ch().post(j, c.tag(phase, static_cast<std::uint64_t>(j), k),
+                {own_out + span.from, span.to - span.from});
   }
 }
 
@@ -72,8 +73,8 @@ class OwnSegment {
   /// kSplitReduceBytes: smaller ones wait longer for a worker than they take.
   void reduce_split(const std::shared_ptr<std::vector<NodePayload>>& in, std::uint64_t from,
                     std::uint64_t to) const {
-    const std::uint64_t parts = std::min<std::uint64_t>(static_cast<std::uint64_t>(c_.ch().parallelism()),
-                                                        (to - from) / kSplitReduceBytes);
+    const std::uint64_t parts = std::min<std::uint64_t>(
+        static_cast<std::uint64_t>(c_.ch().parallelism()), (to - from) / kSplitReduceBytes);
     if (parts <= 1) {
       part_(*in, from, from, to);
       return;
@@ -83,7 +84,8 @@ class OwnSegment {
     std::deque<PendingPass> others;
     for (std::uint64_t a = from + step; a < to; a += step) {
       const std::uint64_t b = std::min(to, a + step);
-      others.emplace_back(c_.ch(), c_.ch().compute_async([part = part_, in, from, a, b] { part(*in, from, a, b); }));
+      others.emplace_back(c_.ch(), c_.ch().compute_async(
+                                       [part = part_, in, from, a, b] { part(*in, from, a, b); }));
     }
     part_(*in, from, from, std::min(to, from + step));
     for (auto& o : others) o.wait();
@@ -126,8 +128,9 @@ class RunningChunks {
   std::size_t size() const { return running_.size(); }
   void start(NodeChannel& ch, const std::shared_ptr<std::vector<NodePayload>>& in, std::uint64_t k,
              std::uint64_t from, std::uint64_t to) {
-    running_.emplace_back(ch, ch.compute_async([part = own_.part(), in, from, to] { part(*in, from, from, to); }),
-                          k, from, to);
+    running_.emplace_back(
+        ch, ch.compute_async([part = own_.part(), in, from, to] { part(*in, from, from, to); }), k,
+        from, to);
   }
   void finish_oldest() {
     Running& r = running_.front();
@@ -138,7 +141,8 @@ class RunningChunks {
 
  private:
   struct Running {
-    Running(NodeChannel& ch, NodeChannel::Ticket t, std::uint64_t chunk, std::uint64_t a, std::uint64_t b)
+    Running(NodeChannel& ch, NodeChannel::Ticket t, std::uint64_t chunk, std::uint64_t a,
+            std::uint64_t b)
         : pass(ch, std::move(t)), k(chunk), from(a), to(b) {}
     PendingPass pass;
     std::uint64_t k, from, to;
@@ -157,7 +161,8 @@ void pairwise_reduce_scatter(Context& c, std::byte* buf, const std::vector<Segme
   NodeChannel& ch = c.ch();
   const Segment& mine = segs[i];
   const std::uint64_t total = segment_bytes(mine);
-  if (skip_own && own_out != nullptr && n == 2 && c.posted(total)) post_into_output(c, own_out, total, phase);
+  if (skip_own && own_out != nullptr && n == 2 && c.posted(total))
+    post_into_output(c, own_out, total, phase);
   // Start with the next node, so that the nodes do not all send to node 0 first.
   for (int k = 1; k < n; ++k) {
     const int j = c.mod(i + k);
@@ -203,7 +208,8 @@ void pairwise_all_gather(Context& c, std::byte* buf, const std::vector<Segment>&
   pairwise_all_gather_recv(c, buf, segs, phase);
 }
 
-void post_all_gather(Context& c, std::byte* buf, const std::vector<Segment>& segs, std::uint64_t phase) {
+void post_all_gather(Context& c, std::byte* buf, const std::vector<Segment>& segs,
+                     std::uint64_t phase) {
   for (int k = 1; k < c.n(); ++k) {
     const int j = c.mod(c.i() - k);
     c.post_segment(j, buf, segs[j], phase, 0);

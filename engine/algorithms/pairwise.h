@@ -32,8 +32,9 @@ namespace collectived::engine::algorithms {
 /// (combined elsewhere, NodeCollective::own_contribution_elsewhere); its
 /// segment of `buf` is never read.
 void pairwise_reduce_scatter(Context& c, std::byte* buf, const std::vector<Segment>& segs,
-                             DType dtype, RedOp op, std::uint64_t phase, std::byte* own_out = nullptr,
-                             std::uint64_t gather_phase = 0, bool flush = true, bool skip_own = false);
+                             DType dtype, RedOp op, std::uint64_t phase,
+                             std::byte* own_out = nullptr, std::uint64_t gather_phase = 0,
+                             bool flush = true, bool skip_own = false);
 
 /// Pairwise all-gather: every node sends its segment to every other one, in
 /// chunks, and copies in what it receives as it arrives.
@@ -43,7 +44,8 @@ void pairwise_all_gather(Context& c, std::byte* buf, const std::vector<Segment>&
 /// chunk (where a chunk is one contiguous range), for the all-gather
 /// messages of `phase`: the transport may read them straight into place.
 /// Nothing may read or write those segments until they are received.
-void post_all_gather(Context& c, std::byte* buf, const std::vector<Segment>& segs, std::uint64_t phase);
+void post_all_gather(Context& c, std::byte* buf, const std::vector<Segment>& segs,
+                     std::uint64_t phase);
 /// Its sends (after posting its receives). `own_src` (optional): this
 /// node's segment is read from there (one contiguous range) instead of
 /// from `buf`, which it may fill meanwhile.

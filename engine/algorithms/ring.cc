@@ -30,7 +30,8 @@ void ring_reduce_scatter(Context& c, std::byte* buf, const std::vector<Segment>&
   if (n == 1) return;
   NodeChannel& ch = c.ch();
   const int right = c.mod(i + 1), left = c.mod(i - 1);
-  c.send_segment(right, in != nullptr ? const_cast<std::byte*>(in) : buf, segs[c.mod(i - 1)], phase, 0);
+  c.send_segment(right, in != nullptr ? const_cast<std::byte*>(in) : buf, segs[c.mod(i - 1)], phase,
+                 0);
   for (int s = 0; s + 1 < n; ++s) {
     const Segment& seg = segs[c.mod(i - s - 2)];
     const std::uint64_t total = segment_bytes(seg);
@@ -39,7 +40,8 @@ void ring_reduce_scatter(Context& c, std::byte* buf, const std::vector<Segment>&
       NodePayload m = ch.recv(left, c.tag(phase, s, k));
       expect_size(m, to - from, left);
       const bool last = s + 2 == n;  // the last step reduces this node's own segment
-      const std::uint64_t at = from;  // a copy: clang before 16 does not capture structured bindings
+      const std::uint64_t at =
+          from;  // a copy: clang before 16 does not capture structured bindings
       for_pieces(buf, seg, from, to, [&](std::byte* p, std::uint64_t off, std::uint64_t len) {
         std::byte* dst = last && own_out != nullptr ? own_out + at + off : p;
         if (len != 0) {
@@ -60,7 +62,8 @@ void ring_reduce_scatter(Context& c, std::byte* buf, const std::vector<Segment>&
   ch.flush();
 }
 
-void ring_all_gather(Context& c, std::byte* buf, const std::vector<Segment>& segs, std::uint64_t phase) {
+void ring_all_gather(Context& c, std::byte* buf, const std::vector<Segment>& segs,
+                     std::uint64_t phase) {
   ring_all_gather_send(c, buf, segs, phase);
   ring_all_gather_recv(c, buf, segs, phase);
 }

@@ -28,7 +28,8 @@ void ring_reduce_scatter(Context& c, std::byte* buf, const std::vector<Segment>&
 /// Ring all-gather: node i's own segment is in `buf`; afterwards every
 /// segment is. Each chunk is forwarded as soon as it arrives, from where it
 /// was received: the receives are posted in place (NodeChannel::post).
-void ring_all_gather(Context& c, std::byte* buf, const std::vector<Segment>& segs, std::uint64_t phase);
+void ring_all_gather(Context& c, std::byte* buf, const std::vector<Segment>& segs,
+                     std::uint64_t phase);
 /// Its start: posts the receives and sends this node's segment. `own_src`
 /// (optional): the segment is read from there (one contiguous range)
 /// instead of from `buf`, which the caller may fill meanwhile.

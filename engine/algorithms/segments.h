@@ -44,9 +44,8 @@ void for_pieces(std::byte* buf, const Segment& seg, std::uint64_t from, std::uin
 inline std::vector<std::span<const std::byte>> pieces_of(std::byte* buf, const Segment& seg,
                                                          std::uint64_t from, std::uint64_t to) {
   std::vector<std::span<const std::byte>> out;
-  for_pieces(buf, seg, from, to, [&](std::byte* p, std::uint64_t, std::uint64_t len) {
-    out.emplace_back(p, len);
-  });
+  for_pieces(buf, seg, from, to,
+             [&](std::byte* p, std::uint64_t, std::uint64_t len) { out.emplace_back(p, len); });
   return out;
 }
 

@@ -62,8 +62,8 @@ bool large_pairwise(std::uint64_t bytes, int nodes, const NodeAlgorithmOptions& 
 /// (large_pairwise): with one rank on the node the ring reduces the input
 /// where it is and the last step straight into the output.
 bool scatter_pairwise(std::uint64_t bytes, int nodes, const NodeAlgorithmOptions& o) {
-  const bool small =
-      o.algorithm == "auto" && bytes <= std::min<std::uint64_t>(o.direct_max_bytes, kPairwiseScatterMaxBytes);
+  const bool small = o.algorithm == "auto" &&
+                     bytes <= std::min<std::uint64_t>(o.direct_max_bytes, kPairwiseScatterMaxBytes);
   return small || large_pairwise(bytes, nodes, o);
 }
 
@@ -114,8 +114,7 @@ bool reads_input_in_pieces(OpKind kind, std::uint64_t bytes, int nranks, int loc
     case OpKind::all_gather:
       return all_gather_kind(bytes * static_cast<std::uint64_t>(nranks), nodes, options) !=
              GatherKind::ring;
-    case OpKind::reduce_scatter:
-      return scatter_pairwise(bytes, nodes, options);
+    case OpKind::reduce_scatter: return scatter_pairwise(bytes, nodes, options);
     case OpKind::broadcast: return true;
     default: return false;
   }
@@ -156,8 +155,7 @@ NodeAlgorithm choose_node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
     case OpKind::broadcast:
       if (use_tree(kind, bytes, nodes, options)) return A::tree;
       return use_direct(bytes, options) ? A::direct : A::chain;
-    case OpKind::reduce:
-      return use_tree(kind, bytes, nodes, options) ? A::tree : A::chain;
+    case OpKind::reduce: return use_tree(kind, bytes, nodes, options) ? A::tree : A::chain;
     default: return A::exchange;
   }
 }

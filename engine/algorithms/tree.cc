@@ -2,7 +2,8 @@
 
 namespace collectived::engine::algorithms {
 
-void tree_broadcast(Context& c, std::byte* buf, std::uint64_t bytes, int root, std::uint64_t phase) {
+void tree_broadcast(Context& c, std::byte* buf, std::uint64_t bytes, int root,
+                    std::uint64_t phase) {
   const int n = c.n();
   NodeChannel& ch = c.ch();
   const int v = c.mod(c.i() - root);
