@@ -22,35 +22,11 @@
 #include <string>
 #include <vector>
 
+#include "engine/message_bytes.h"
 #include "engine/transport/host_region.h"
 #include "ipc/error.h"
 
 namespace collectived::engine {
-
-/// The bytes of one received message. Not zero-filled on allocation: whoever
-/// fills it writes every byte before anyone reads it. Storage is aligned for
-/// any scalar type (Cap'n Proto words are read in place).
-class MessageBytes {
- public:
-  MessageBytes() = default;
-  explicit MessageBytes(std::size_t size)
-      : data_(size ? new std::byte[size] : nullptr), size_(size) {}
-  /// A copy of `bytes` (tests, small control messages).
-  static MessageBytes copy_of(std::span<const std::byte> bytes) {
-    MessageBytes m(bytes.size());
-    if (!bytes.empty()) std::memcpy(m.data(), bytes.data(), bytes.size());
-    return m;
-  }
-
-  std::byte* data() { return data_.get(); }
-  const std::byte* data() const { return data_.get(); }
-  std::size_t size() const { return size_; }
-  bool empty() const { return size_ == 0; }
-
- private:
-  std::unique_ptr<std::byte[]> data_;
-  std::size_t size_ = 0;
-};
 
 /// One outgoing message: `head` followed by the bytes of `payload`, in order.
 struct OutMessage {
@@ -92,9 +68,6 @@ struct Placement {
   std::byte* dest = nullptr;
   std::shared_ptr<void> keep;
 };
-/// Payloads smaller than this are never placed (a hand-off to place them
-/// costs more than the copy it saves); receivers need not post for them.
-inline constexpr std::size_t kPlaceMinBytes = 64 * 1024;
 
 class NodeTransport {
  public:
