@@ -5,7 +5,7 @@
 // reads the peer sockets, so that a message arriving, the reduction of its
 // chunk and the send of the next one happen on one thread, with no hand-off
 // (a futex wake-up and two context switches per message) to a thread of the
-// operation's own. node_algorithms.cc stays written as plain blocking code.
+// operation's own. The algorithms (engine/algorithms/) stay written as plain blocking code.
 #pragma once
 
 #include <cstddef>
