@@ -67,7 +67,7 @@ engine::NodeAlgorithmOptions node_algorithms(const config::Profile& p) {
   // message one header over tcp.chunk_bytes would go as two and be
   // reassembled (a zero-fill and a copy more) on the other side. From
   // kPlaceMinBytes of payload the header (a few hundred bytes) travels in
-  // the chunk's frame and only the payload counts (peer_link.cc, protocol
+  // the chunk's frame and only the payload counts (tcp/pair.cc, protocol
   // 3), so the chunk is tcp.chunk_bytes itself: a 1 MiB segment goes as one
   // chunk, not 1020 + 4 KiB. Smaller chunks keep room for the header.
   o.chunk_bytes = p.tcp.chunk_bytes >= engine::kPlaceMinBytes ? p.tcp.chunk_bytes
@@ -157,8 +157,8 @@ void Server::listen() {
   // Peers first: once the client socket answers, the daemon is fully up.
   peers_.listen();  // peer.listen_address:peer.port, unless peer.port is 0
   if (peers_.listening()) {
-    transport_ = std::make_unique<transport::SelectingTransport>(profile_, address_of(profile_),
-                                                                 peers_, engine_, log_);
+    transport_ = std::make_unique<transport::SelectingTransport>(
+        profile_, verbs::Options::from_profile(profile_), address_of(profile_), peers_, engine_, log_);
     transport_->start();
     engine_.set_node_transport(transport_.get());
   }

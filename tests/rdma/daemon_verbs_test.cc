@@ -20,7 +20,7 @@
 #include <thread>
 
 #include "client/collective.h"
-#include "engine/transport/verbs/verbs_node_transport.h"
+#include "engine/transport/verbs/node_transport.h"
 #include "tests/support/collective_check.h"
 #include "tests/support/harness.h"
 #include "tests/support/nodes.h"
@@ -323,7 +323,7 @@ TEST_CASE("two HCAs per node: both rails carry the full matrix") {
 // Every message in flight on the broken pair must fail or arrive: rank 0's
 // all-reduce once waited 60 s for n1's message, lost on the broken pair, when
 // n1 rebuilt the pair before n0 had noticed the error (the replaced pair went
-// without reporting the node down; fixed in VerbsNodeTransport::install).
+// without reporting the node down; fixed in NodeTransport::install).
 TEST_CASE("a QP error fails the affected operations naming the node; the pair is rebuilt") {
   // n1 moves its QPs to the error state after 40 messages to n0.
   VerbsCluster cl(std::map<std::string, std::string>{{"COLLECTIVED_TEST_VERBS_QP_ERROR_AFTER", "40"}});

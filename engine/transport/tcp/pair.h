@@ -1,6 +1,6 @@
 // One connection to another node's daemon: several authenticated TCP streams
-// with heartbeats, chunked data and pings. Owned by the PeerManager
-// (engine/transport/tcp/peer_manager.h), which decides when links are opened and shared.
+// with heartbeats, chunked data and pings. Owned by the Device
+// (engine/transport/tcp/device.h), which decides when links are opened and shared.
 // Everything here runs on the daemon's event-loop thread.
 #pragma once
 
@@ -45,7 +45,7 @@ struct PeerOptions {
   std::uint32_t io_threads = 0;
   /// tcp.congestion_control: set on every stream; empty = the system's.
   std::string congestion_control;
-  /// The threads (the PeerManager owns them; set when io_threads > 0).
+  /// The threads (the Device owns them; set when io_threads > 0).
   BulkIo* bulk = nullptr;
   std::chrono::milliseconds connect_deadline{5000};
   std::chrono::milliseconds heartbeat_interval{1000};
@@ -221,21 +221,21 @@ class PeerStream : public std::enable_shared_from_this<PeerStream> {
 };
 
 /// A connection to one peer daemon: `streams` authenticated TCP streams.
-class PeerLink : public std::enable_shared_from_this<PeerLink>, public StreamSink {
+class Pair : public std::enable_shared_from_this<Pair>, public StreamSink {
  public:
   /// The manager: hears about state changes and whole received messages.
   class Owner {
    public:
-    virtual void link_ready(PeerLink& link) = 0;
+    virtual void link_ready(Pair& link) = 0;
     /// `was` is the state before; `refused`: authentication or version refusal.
-    virtual void link_dead(PeerLink& link, PeerState was, Code code, const std::string& why,
+    virtual void link_dead(Pair& link, PeerState was, Code code, const std::string& why,
                            bool refused) = 0;
-    virtual void link_data(PeerLink& link, std::uint64_t channel, std::uint64_t seq,
+    virtual void link_data(Pair& link, std::uint64_t channel, std::uint64_t seq,
                            engine::MessageBytes payload) = 0;
     /// A message whose head came ahead of its `bytes` of payload (a large
     /// one): where those bytes go, if the channel's receiver has a place for
     /// them. The message is then delivered (link_data) as its head alone.
-    virtual engine::Placement link_place(PeerLink& link, std::uint64_t channel,
+    virtual engine::Placement link_place(Pair& link, std::uint64_t channel,
                                          std::span<const std::byte> head, std::uint64_t bytes) {
       (void)link, (void)channel, (void)head, (void)bytes;
       return {};
@@ -244,9 +244,9 @@ class PeerLink : public std::enable_shared_from_this<PeerLink>, public StreamSin
   };
 
   /// `key` is the peer's "host:port"; `known_node` its node name if known.
-  PeerLink(boost::asio::io_context& io, const PeerOptions& options, const Secret& secret,
+  Pair(boost::asio::io_context& io, const PeerOptions& options, const Secret& secret,
            Owner& owner, std::string key, bool outbound, std::string known_node);
-  ~PeerLink() override;
+  ~Pair() override;
 
   /// Outbound: resolves the key, opens the streams and runs their handshakes,
   /// all within deadlines.connect_ms.
@@ -304,7 +304,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink>, public StreamSin
   void fail(Code code, const std::string& why, bool refused, bool tell_peer);
   /// Fails the link with timeout and why(*this) unless it is ready within
   /// deadlines.connect_ms.
-  void arm_connect_deadline(std::string (*why)(const PeerLink&));
+  void arm_connect_deadline(std::string (*why)(const Pair&));
   void arm_heartbeat();
   void heartbeat_tick();
   std::vector<std::byte> heartbeat_frame(std::uint64_t seq) const;

@@ -1,4 +1,4 @@
-#include "engine/transport/tcp/peer_link.h"
+#include "engine/transport/tcp/pair.h"
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -453,9 +453,9 @@ void PeerStream::fail(Code code, const std::string& why, bool tell_peer) {
   if (auto sink = sink_.lock()) sink->on_stream_closed(*this, code, why);
 }
 
-// --- PeerLink --------------------------------------------------------------------
+// --- Pair --------------------------------------------------------------------
 
-PeerLink::PeerLink(asio::io_context& io, const PeerOptions& options, const Secret& secret,
+Pair::Pair(asio::io_context& io, const PeerOptions& options, const Secret& secret,
                    Owner& owner, std::string key, bool outbound, std::string known_node)
     : io_(io),
       options_(options),
@@ -468,19 +468,19 @@ PeerLink::PeerLink(asio::io_context& io, const PeerOptions& options, const Secre
       connect_timer_(io),
       heartbeat_timer_(io) {}
 
-PeerLink::~PeerLink() {
+Pair::~Pair() {
   for (auto& s : streams_) {
     if (s) s->close();
   }
 }
 
-std::string PeerLink::describe() const {
+std::string Pair::describe() const {
   return node_.empty() ? "the peer daemon at " + key_ : "node " + node_ + " (" + key_ + ")";
 }
 
-std::uint64_t PeerLink::max_frame() const { return kMaxPeerFrame; }
+std::uint64_t Pair::max_frame() const { return kMaxPeerFrame; }
 
-std::uint64_t PeerLink::bytes_sent() const {
+std::uint64_t Pair::bytes_sent() const {
   std::uint64_t n = 0;
   for (const auto& s : streams_) {
     if (s) n += s->bytes_sent();
@@ -488,7 +488,7 @@ std::uint64_t PeerLink::bytes_sent() const {
   return n;
 }
 
-std::uint64_t PeerLink::bytes_received() const {
+std::uint64_t Pair::bytes_received() const {
   std::uint64_t n = 0;
   for (const auto& s : streams_) {
     if (s) n += s->bytes_received();
@@ -496,8 +496,8 @@ std::uint64_t PeerLink::bytes_received() const {
   return n;
 }
 
-void PeerLink::arm_connect_deadline(std::string (*why)(const PeerLink&)) {
-  std::weak_ptr<PeerLink> weak = shared_from_this();
+void Pair::arm_connect_deadline(std::string (*why)(const Pair&)) {
+  std::weak_ptr<Pair> weak = shared_from_this();
   connect_timer_.expires_after(options_.connect_deadline);
   connect_timer_.async_wait([weak, why](const boost::system::error_code& ec) {
     auto self = weak.lock();
@@ -506,13 +506,13 @@ void PeerLink::arm_connect_deadline(std::string (*why)(const PeerLink&)) {
   });
 }
 
-void PeerLink::connect() {
+void Pair::connect() {
   connection_id_ = random_u64();
   streams_wanted_ = std::max<std::uint32_t>(1, options_.streams_per_peer);
   streams_.resize(streams_wanted_);
   handshakes_.resize(streams_wanted_);
   // Dialing side: how far the connection got when the deadline passed.
-  arm_connect_deadline([](const PeerLink& self) {
+  arm_connect_deadline([](const Pair& self) {
     return "no connection to " + self.describe() + " within " +
            ms_text(self.options_.connect_deadline) + " (deadlines.connect_ms): " +
            (self.streams_ready_ == 0 ? std::string("the daemon did not answer")
@@ -520,7 +520,7 @@ void PeerLink::connect() {
                                            std::to_string(self.streams_wanted_) +
                                            " streams were ready");
   });
-  std::weak_ptr<PeerLink> weak = shared_from_this();
+  std::weak_ptr<Pair> weak = shared_from_this();
   PeerAddress address;
   try {
     address = parse_peer_address(key_);
@@ -558,8 +558,8 @@ void PeerLink::connect() {
       });
 }
 
-void PeerLink::open_stream(std::uint32_t index, const tcp::endpoint& endpoint) {
-  std::weak_ptr<PeerLink> weak = shared_from_this();
+void Pair::open_stream(std::uint32_t index, const tcp::endpoint& endpoint) {
+  std::weak_ptr<Pair> weak = shared_from_this();
   auto socket = std::make_shared<tcp::socket>(io_);
   boost::system::error_code ec;
   socket->open(endpoint.protocol(), ec);
@@ -603,7 +603,7 @@ void PeerLink::open_stream(std::uint32_t index, const tcp::endpoint& endpoint) {
   });
 }
 
-void PeerLink::start_stream(std::uint32_t index, tcp::socket socket) {
+void Pair::start_stream(std::uint32_t index, tcp::socket socket) {
   boost::system::error_code ignored;
   socket.set_option(tcp::no_delay(true), ignored);
   auto stream = std::make_shared<PeerStream>(std::move(socket), max_frame());
@@ -623,7 +623,7 @@ void PeerLink::start_stream(std::uint32_t index, tcp::socket socket) {
   for (auto& frame : handshakes_[index]->start()) stream->send_frame(std::move(frame));
 }
 
-void PeerLink::on_handshake_message(PeerStream& stream, Handshake& hs,
+void Pair::on_handshake_message(PeerStream& stream, Handshake& hs,
                                     peerwire::PeerMessage::Reader message) {
   auto frames = hs.on_message(message);
   if (hs.state() == Handshake::State::failed) {
@@ -652,7 +652,7 @@ void PeerLink::on_handshake_message(PeerStream& stream, Handshake& hs,
   if (++streams_ready_ == streams_wanted_) become_ready();
 }
 
-void PeerLink::attach(std::shared_ptr<PeerStream> stream, const Handshake& hs) {
+void Pair::attach(std::shared_ptr<PeerStream> stream, const Handshake& hs) {
   if (state_ == PeerState::dead) {
     stream->close();
     return;
@@ -664,7 +664,7 @@ void PeerLink::attach(std::shared_ptr<PeerStream> stream, const Handshake& hs) {
     remote_ = hs.remote();
     node_ = remote_.node;
     // Accepting side: the initiator's other streams must follow in time.
-    arm_connect_deadline([](const PeerLink& self) {
+    arm_connect_deadline([](const Pair& self) {
       return "only " + std::to_string(self.streams_ready_) + " of " +
              std::to_string(self.streams_wanted_) + " streams of " + self.describe() +
              " arrived within " + ms_text(self.options_.connect_deadline) +
@@ -688,7 +688,7 @@ void PeerLink::attach(std::shared_ptr<PeerStream> stream, const Handshake& hs) {
   if (++streams_ready_ == streams_wanted_) become_ready();
 }
 
-void PeerLink::become_ready() {
+void Pair::become_ready() {
   auto self = shared_from_this();
   state_ = PeerState::ready;
   connect_timer_.cancel();
@@ -710,7 +710,7 @@ void PeerLink::become_ready() {
   }
 }
 
-void PeerLink::on_stream_message(PeerStream& stream, peerwire::PeerMessage::Reader m) {
+void Pair::on_stream_message(PeerStream& stream, peerwire::PeerMessage::Reader m) {
   if (state_ == PeerState::dead) return;
   if (stream.index < handshakes_.size() && handshakes_[stream.index] &&
       handshakes_[stream.index]->state() == Handshake::State::in_progress) {
@@ -742,7 +742,7 @@ void PeerLink::on_stream_message(PeerStream& stream, peerwire::PeerMessage::Read
   }
 }
 
-void PeerLink::on_stream_closed(PeerStream& stream, Code code, const std::string& why) {
+void Pair::on_stream_closed(PeerStream& stream, Code code, const std::string& why) {
   if (state_ == PeerState::dead) return;
   fail(code,
        describe() + ": " + why + " (stream " + std::to_string(stream.index) +
@@ -750,11 +750,11 @@ void PeerLink::on_stream_closed(PeerStream& stream, Code code, const std::string
        false, true);
 }
 
-void PeerLink::close(Code code, const std::string& why, bool tell_peer) {
+void Pair::close(Code code, const std::string& why, bool tell_peer) {
   fail(code, why, false, tell_peer);
 }
 
-void PeerLink::fail(Code code, const std::string& why, bool refused, bool tell_peer) {
+void Pair::fail(Code code, const std::string& why, bool refused, bool tell_peer) {
   if (state_ == PeerState::dead) return;
   auto self = shared_from_this();
   const PeerState was = state_;
@@ -800,7 +800,7 @@ void PeerLink::fail(Code code, const std::string& why, bool refused, bool tell_p
 
 // --- Heartbeats and pings ---------------------------------------------------------
 
-std::vector<std::byte> PeerLink::heartbeat_frame(std::uint64_t seq) const {
+std::vector<std::byte> Pair::heartbeat_frame(std::uint64_t seq) const {
   capnp::MallocMessageBuilder b(64);
   auto h = b.initRoot<peerwire::PeerMessage>().initHeartbeat();
   h.setSeq(seq);
@@ -809,8 +809,8 @@ std::vector<std::byte> PeerLink::heartbeat_frame(std::uint64_t seq) const {
   return ipc::encode_frame(b);
 }
 
-void PeerLink::arm_heartbeat() {
-  std::weak_ptr<PeerLink> weak = shared_from_this();
+void Pair::arm_heartbeat() {
+  std::weak_ptr<Pair> weak = shared_from_this();
   heartbeat_timer_.expires_after(options_.heartbeat_interval);
   heartbeat_timer_.async_wait([weak](const boost::system::error_code& ec) {
     auto self = weak.lock();
@@ -819,7 +819,7 @@ void PeerLink::arm_heartbeat() {
   });
 }
 
-void PeerLink::heartbeat_tick() {
+void Pair::heartbeat_tick() {
   // A stream whose heartbeats went unanswered for three intervals means the
   // peer is gone, stuck, or no longer reading (its own heartbeats arriving do
   // not count: a daemon that stopped reading would otherwise block our writes
@@ -842,7 +842,7 @@ void PeerLink::heartbeat_tick() {
   arm_heartbeat();
 }
 
-void PeerLink::on_heartbeat(PeerStream& stream, peerwire::Heartbeat::Reader hb) {
+void Pair::on_heartbeat(PeerStream& stream, peerwire::Heartbeat::Reader hb) {
   capnp::MallocMessageBuilder b(64);
   auto a = b.initRoot<peerwire::PeerMessage>().initHeartbeatAck();
   a.setSeq(hb.getSeq());
@@ -851,7 +851,7 @@ void PeerLink::on_heartbeat(PeerStream& stream, peerwire::Heartbeat::Reader hb) 
   stream.send_frame(ipc::encode_frame(b));
 }
 
-void PeerLink::on_heartbeat_ack(PeerStream& stream, peerwire::HeartbeatAck::Reader ack) {
+void Pair::on_heartbeat_ack(PeerStream& stream, peerwire::HeartbeatAck::Reader ack) {
   stream.answered();
   const std::uint64_t now = steady_ns();
   const std::uint64_t sent = ack.getEchoSentNs();
@@ -875,7 +875,7 @@ void PeerLink::on_heartbeat_ack(PeerStream& stream, peerwire::HeartbeatAck::Read
   if (done) done(reply);
 }
 
-void PeerLink::ping(PeerClock::time_point deadline, PingDone done) {
+void Pair::ping(PeerClock::time_point deadline, PingDone done) {
   if (state_ == PeerState::dead) {
     PingReply reply;
     reply.result = {dead_code_, dead_reason_};
@@ -888,7 +888,7 @@ void PeerLink::ping(PeerClock::time_point deadline, PingDone done) {
   p.done = std::move(done);
   p.timer = std::make_unique<asio::steady_timer>(io_);
   p.timer->expires_at(deadline);
-  std::weak_ptr<PeerLink> weak = shared_from_this();
+  std::weak_ptr<Pair> weak = shared_from_this();
   const auto allowed = std::chrono::duration_cast<std::chrono::milliseconds>(
       deadline - PeerClock::now());
   p.timer->async_wait([weak, seq, allowed](const boost::system::error_code& ec) {
@@ -909,14 +909,14 @@ void PeerLink::ping(PeerClock::time_point deadline, PingDone done) {
   if (state_ == PeerState::ready) send_ping(seq);
 }
 
-void PeerLink::send_ping(std::uint64_t seq) {
+void Pair::send_ping(std::uint64_t seq) {
   pings_[seq].sent = true;
   streams_[0]->send_frame(heartbeat_frame(seq));
 }
 
 // --- Data --------------------------------------------------------------------------
 
-void PeerLink::send(std::uint64_t channel, std::shared_ptr<const engine::OutMessage> message,
+void Pair::send(std::uint64_t channel, std::shared_ptr<const engine::OutMessage> message,
                     SendDone done) {
   if (state_ == PeerState::dead) {
     const PeerResult r{dead_code_, dead_reason_};
@@ -932,7 +932,7 @@ void PeerLink::send(std::uint64_t channel, std::shared_ptr<const engine::OutMess
   start_send(channel, std::move(message), std::move(done));
 }
 
-void PeerLink::start_send(std::uint64_t channel,
+void Pair::start_send(std::uint64_t channel,
                           std::shared_ptr<const engine::OutMessage> message, SendDone done) {
   const std::uint64_t total = message->size();
   if (total > kMaxMessageBytes) {
@@ -968,7 +968,7 @@ void PeerLink::start_send(std::uint64_t channel,
   const std::uint64_t seq = send_seq_[channel]++;
   const std::uint64_t id = next_send_id_++;
   in_flight_[id] = InFlight{static_cast<std::size_t>(chunks), std::move(done)};
-  std::weak_ptr<PeerLink> weak = shared_from_this();
+  std::weak_ptr<Pair> weak = shared_from_this();
   // The copy threads start once every chunk is handed over (BulkIo::Batch).
   std::optional<BulkIo::Batch> batch;
   if (options_.bulk != nullptr && chunks > 1) batch.emplace(*options_.bulk);
@@ -996,7 +996,7 @@ void PeerLink::start_send(std::uint64_t channel,
   }
 }
 
-void PeerLink::on_data(PeerStream& stream, peerwire::DataChunk::Reader chunk) {
+void Pair::on_data(PeerStream& stream, peerwire::DataChunk::Reader chunk) {
   const std::uint64_t channel = chunk.getChannel();
   const std::uint64_t seq = chunk.getSeq();
   const std::uint64_t offset = chunk.getOffset();
@@ -1070,7 +1070,7 @@ void PeerLink::on_data(PeerStream& stream, peerwire::DataChunk::Reader chunk) {
   chunks.emplace_hint(after, offset, offset + raw);
   std::byte* dest = p.buf->place.dest != nullptr ? p.buf->place.dest + offset
                                                   : p.buf->bytes.data() + p.head + offset;
-  std::weak_ptr<PeerLink> weak = shared_from_this();
+  std::weak_ptr<Pair> weak = shared_from_this();
   // Copied on a bulk thread only while the sender streams data (it says so:
   // a message of several chunks, or more messages queued behind this one):
   // a lone chunk is read sooner on the event loop than handed over and back.
@@ -1080,7 +1080,7 @@ void PeerLink::on_data(PeerStream& stream, peerwire::DataChunk::Reader chunk) {
   }, offload);
 }
 
-void PeerLink::on_raw_done(std::pair<std::uint64_t, std::uint64_t> key, std::uint64_t bytes) {
+void Pair::on_raw_done(std::pair<std::uint64_t, std::uint64_t> key, std::uint64_t bytes) {
   const auto it = partial_.find(key);
   if (it == partial_.end()) return;  // the link failed meanwhile
   it->second.received += bytes;
@@ -1093,7 +1093,7 @@ void PeerLink::on_raw_done(std::pair<std::uint64_t, std::uint64_t> key, std::uin
   complete(key, std::move(whole));
 }
 
-void PeerLink::complete(std::pair<std::uint64_t, std::uint64_t> key, engine::MessageBytes whole) {
+void Pair::complete(std::pair<std::uint64_t, std::uint64_t> key, engine::MessageBytes whole) {
   const auto [channel, seq] = key;
   const std::uint64_t next = recv_next_[channel];
   if (seq != next) {
@@ -1112,7 +1112,7 @@ void PeerLink::complete(std::pair<std::uint64_t, std::uint64_t> key, engine::Mes
   deliver_in_order(channel);
 }
 
-void PeerLink::deliver_in_order(std::uint64_t channel) {
+void Pair::deliver_in_order(std::uint64_t channel) {
   while (state_ != PeerState::dead) {
     const std::uint64_t next = recv_next_[channel];
     const auto it = early_.find({channel, next});

@@ -1,4 +1,8 @@
-#include "engine/transport/verbs/verbs_transport.h"
+// Private to verbs/pair.cc and verbs/device.cc: the wire formats of a
+// pair's slots and exchange, the device core that pairs share and keep
+// alive, and Pair::Impl, a pair's state, driven by the callers and by its
+// device's progress thread (Device::Impl::progress_loop).
+#pragma once
 
 #include <arpa/inet.h>
 #include <poll.h>
@@ -12,6 +16,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <random>
@@ -26,8 +31,12 @@
 #include "engine/transport/verbs/resources.h"
 #include "ipc/error.h"
 
+
+#include "engine/transport/verbs/device.h"
+#include "engine/transport/verbs/pair.h"
+
 namespace collectived::verbs {
-namespace {
+namespace detail {
 
 // ---- Wire formats ---------------------------------------------------------------
 
@@ -49,7 +58,7 @@ constexpr std::size_t kHeaderBytes = sizeof(SlotHeader);
 // The immediate of a WRITE WITH IMMEDIATE: a data write names the slot it
 // filled; a credit (bit 31) returns `count` slots from `first` to the writer.
 constexpr std::uint32_t kCreditBit = 0x80000000u;
-std::uint32_t credit_imm(std::uint32_t first, std::uint32_t count) {
+inline std::uint32_t credit_imm(std::uint32_t first, std::uint32_t count) {
   return kCreditBit | (count << 16) | first;
 }
 
@@ -61,14 +70,14 @@ std::uint32_t credit_imm(std::uint32_t first, std::uint32_t count) {
 enum class WrKind : std::uint8_t { data = 1, credit = 2, probe = 3, recv = 4 };
 constexpr std::uint64_t kGenerationMask = 0xfff;
 constexpr std::uint64_t kValueMask = (1ull << 40) - 1;
-std::uint64_t wr_id(std::uint64_t generation, WrKind kind, std::uint32_t qp, std::uint64_t value) {
+inline std::uint64_t wr_id(std::uint64_t generation, WrKind kind, std::uint32_t qp, std::uint64_t value) {
   return ((generation & kGenerationMask) << 52) | (static_cast<std::uint64_t>(kind) << 48) |
          (static_cast<std::uint64_t>(qp & 0xff) << 40) | (value & kValueMask);
 }
-std::uint64_t wr_generation(std::uint64_t id) { return id >> 52; }
-WrKind wr_kind(std::uint64_t id) { return static_cast<WrKind>((id >> 48) & 0xf); }
-std::uint32_t wr_qp(std::uint64_t id) { return static_cast<std::uint32_t>((id >> 40) & 0xff); }
-std::uint64_t wr_value(std::uint64_t id) { return id & kValueMask; }
+inline std::uint64_t wr_generation(std::uint64_t id) { return id >> 52; }
+inline WrKind wr_kind(std::uint64_t id) { return static_cast<WrKind>((id >> 48) & 0xf); }
+inline std::uint32_t wr_qp(std::uint64_t id) { return static_cast<std::uint32_t>((id >> 40) & 0xff); }
+inline std::uint64_t wr_value(std::uint64_t id) { return id & kValueMask; }
 
 // Queue-pair parameters exchanged over the channel (little-endian).
 constexpr std::uint32_t kHelloMagic = 0x50515643;  // "CVQP"
@@ -141,7 +150,7 @@ class Reader {
   std::size_t pos_ = 0;
 };
 
-std::vector<std::byte> encode(const Endpoint& e) {
+inline std::vector<std::byte> encode(const Endpoint& e) {
   Writer w;
   w.u32(kHelloMagic);
   w.u16(kWireVersion);
@@ -163,7 +172,7 @@ std::vector<std::byte> encode(const Endpoint& e) {
   return std::move(w.out());
 }
 
-Endpoint decode(const std::vector<std::byte>& in, const std::string& peer) {
+inline Endpoint decode(const std::vector<std::byte>& in, const std::string& peer) {
   Reader r(in, peer);
   const std::uint32_t magic = r.u32();
   if (magic != kHelloMagic) {
@@ -205,7 +214,7 @@ Endpoint decode(const std::vector<std::byte>& in, const std::string& peer) {
   return e;
 }
 
-ibv_mtu mtu_enum(std::uint32_t bytes) {
+inline ibv_mtu mtu_enum(std::uint32_t bytes) {
   switch (bytes) {
     case 256: return IBV_MTU_256;
     case 512: return IBV_MTU_512;
@@ -215,31 +224,15 @@ ibv_mtu mtu_enum(std::uint32_t bytes) {
   }
 }
 
-std::string size_text(std::uint64_t bytes) {
+inline std::string size_text(std::uint64_t bytes) {
   if (bytes >= (1u << 20) && bytes % (1u << 20) == 0) return std::to_string(bytes >> 20) + " MiB";
   if (bytes >= 1024 && bytes % 1024 == 0) return std::to_string(bytes >> 10) + " KiB";
   return std::to_string(bytes) + " B";
 }
 
-}  // namespace
+}  // namespace detail
 
-// ---- Options ----------------------------------------------------------------------
-
-Options Options::from_profile(const config::Profile& p) {
-  Options o;
-  o.hcas = p.verbs.hcas;
-  o.gid_index = p.verbs.gid_index;
-  o.mtu = p.verbs.mtu;
-  o.qps_per_connection = std::max<std::uint32_t>(1, p.verbs.qps_per_connection);
-  o.retry_count = p.verbs.retry_count;
-  o.timeout = p.verbs.timeout;
-  o.pool_bytes = p.memory.host_pool_bytes;
-  if (p.verbs.slot_bytes != 0) o.slot_bytes = p.verbs.slot_bytes;
-  if (p.verbs.slots_per_peer != 0) o.slots_per_peer = p.verbs.slots_per_peer;
-  o.mr_cache_entries = p.verbs.mr_cache_entries;
-  o.in_place_min_bytes = p.verbs.in_place_min_bytes;
-  return o;
-}
+using namespace detail;
 
 // ---- Device core: what pairs share and keep alive ----------------------------------
 
@@ -814,505 +807,5 @@ struct Pair::Impl {
     }
   }
 };
-
-Pair::Pair(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
-Pair::~Pair() = default;
-
-const std::string& Pair::peer() const { return impl_->peer; }
-
-std::uint64_t Pair::post_write(std::uint64_t tag, const Buffer& buffer, std::size_t offset,
-                               std::size_t length, MessagePart part) {
-  return post_write(tag, Buffer{}, 0, 0, buffer, offset, length, part);
-}
-
-std::uint64_t Pair::post_write(std::uint64_t tag, const Buffer& prefix, std::size_t prefix_offset,
-                               std::size_t prefix_length, const Buffer& buffer, std::size_t offset,
-                               std::size_t length, MessagePart part) {
-  Impl& p = *impl_;
-  auto check_range = [&](const Buffer& b, std::size_t off, std::size_t len) {
-    if (off > b.size() || len > b.size() - off) {
-      throw Error(Code::invalid_argument, "verbs write to " + p.name() + ": range " +
-                                              std::to_string(off) + "+" + std::to_string(len) +
-                                              " outside the buffer of " +
-                                              std::to_string(b.size()) + " bytes");
-    }
-  };
-  check_range(buffer, offset, length);
-  if (prefix_length > 0) check_range(prefix, prefix_offset, prefix_length);
-  const std::size_t all = prefix_length + length;
-  if (part.total != 0 && (part.offset > part.total || all > part.total - part.offset)) {
-    throw Error(Code::invalid_argument, "verbs write to " + p.name() + ": part " +
-                                            std::to_string(part.offset) + "+" +
-                                            std::to_string(all) + " outside the message of " +
-                                            std::to_string(part.total) + " bytes");
-  }
-  std::lock_guard lock(p.mu);
-  if (p.broken) p.throw_broken();
-  // Not connected and not broken: rebuild() is under way (its new queue pairs
-  // exist). The write is queued and posted once the pair is connected: the
-  // peer may already be connected and writing to this side (it finishes the
-  // exchange first when it reads our ready message before we read its), and a
-  // reply to such a write must not fail (the verbs_pair_test flake of issue 7:
-  // verbs_peer's echo of the first message after a rebuild was lost that way).
-  const std::uint64_t id = p.next_id++;
-  Impl::WriteOp& op = p.ops[id];
-  op.tag = tag;
-  if (prefix_length > 0) {
-    op.prefix = prefix;
-    op.prefix_offset = prefix_offset;
-    op.prefix_length = prefix_length;
-  }
-  op.buffer = buffer;
-  op.offset = offset;
-  op.length = all;
-  op.part = part;
-  p.pending.push_back(id);
-  ++p.stats.writes_posted;
-  p.pump();
-  return id;
-}
-
-void Pair::wait_written(std::uint64_t id, Clock::time_point deadline) {
-  Impl& p = *impl_;
-  std::unique_lock lock(p.mu);
-  if (p.dropped.count(id) != 0) {
-    throw Error(Code::aborted, "verbs write " + std::to_string(id) + " to " + p.name() +
-                                   " was dropped when the connection was rebuilt");
-  }
-  p.wait(lock, deadline, [&] { return id < p.next_id && p.ops.count(id) == 0; },
-         [&] { return "completion of write " + std::to_string(id); });
-}
-
-bool Pair::written(std::uint64_t id) const {
-  Impl& p = *impl_;
-  std::unique_lock lock(p.mu);
-  if (p.dropped.count(id) != 0) {
-    throw Error(Code::aborted, "verbs write " + std::to_string(id) + " to " + p.name() +
-                                   " was dropped when the connection was rebuilt");
-  }
-  if (id < p.next_id && p.ops.count(id) == 0) return true;
-  if (p.broken) p.throw_broken();
-  return false;
-}
-
-Chunk Pair::next_chunk(std::optional<std::uint64_t> tag, Clock::time_point deadline) {
-  Impl& p = *impl_;
-  std::unique_lock lock(p.mu);
-  Chunk out;
-  auto find = [&] {
-    for (auto it = p.arrived.begin(); it != p.arrived.end(); ++it) {
-      if (!tag || it->tag == *tag) {
-        out = *it;
-        p.arrived.erase(it);
-        return true;
-      }
-    }
-    return false;
-  };
-  auto find_or_spill = [&] {
-    if (find()) return true;
-    if (tag) {
-      p.spill();
-    } else {
-      p.pump();  // deferred credits (release) go out before waiting
-    }
-    return false;
-  };
-  p.wait(lock, deadline, find_or_spill, [&] {
-    return tag ? "a message with tag " + std::to_string(*tag) : std::string("a message");
-  });
-  return out;
-}
-
-void Pair::release(const Chunk& chunk) {
-  Impl& p = *impl_;
-  std::lock_guard lock(p.mu);
-  if (chunk.spilled || chunk.generation != p.generation || chunk.slot >= p.slot_held.size() ||
-      !p.slot_held[chunk.slot]) {
-    return;
-  }
-  p.give_back(chunk.slot);
-  // Credits go back in batches: right away when nothing else waits to be
-  // read (or a quarter of the slots is pending), else with the next batch
-  // (the progress thread's pump, or a reader that finds nothing).
-  std::uint32_t queued = 0;
-  for (const auto& c : p.credits_to_send) queued += c.second;
-  if (p.arrived.empty() || queued >= std::max<std::uint32_t>(1, p.slot_count / 4)) p.pump();
-}
-
-void Pair::receive(std::uint64_t tag, std::span<std::byte> destination,
-                   Clock::time_point deadline) {
-  std::uint64_t got = 0;
-  do {
-    const Chunk c = next_chunk(tag, deadline);
-    if (c.total != destination.size()) {
-      release(c);
-      throw Error(Code::mismatch, "verbs message with tag " + std::to_string(tag) + " from " +
-                                      impl_->name() + " has " + std::to_string(c.total) +
-                                      " bytes, the receiver expects " +
-                                      std::to_string(destination.size()));
-    }
-    if (!c.data.empty()) std::memcpy(destination.data() + c.offset, c.data.data(), c.data.size());
-    got += c.data.size();
-    release(c);
-  } while (got < destination.size());
-}
-
-bool Pair::healthy() const {
-  std::lock_guard lock(impl_->mu);
-  return impl_->connected && !impl_->broken;
-}
-
-std::string Pair::error() const {
-  std::lock_guard lock(impl_->mu);
-  return impl_->broken ? impl_->error : std::string();
-}
-
-void Pair::fail(const std::string& reason) {
-  std::lock_guard lock(impl_->mu);
-  impl_->set_broken(Code::remote, "verbs connection to " + impl_->name() + ": " + reason);
-}
-
-void Pair::force_error() {
-  Impl& p = *impl_;
-  std::lock_guard lock(p.mu);
-  p.set_broken(Code::remote, "verbs connection to " + p.name() +
-                                 ": queue pairs moved to the error state (force_error)");
-  for (auto& qp : p.qps) {
-    ibv_qp_attr a{};
-    a.qp_state = IBV_QPS_ERR;
-    try {
-      qp->modify(a, IBV_QP_STATE, "->ERR", p.peer);
-    } catch (const Error&) {
-      // already in error or gone: nothing more to stop
-    }
-  }
-}
-
-void Pair::rebuild(ExchangeChannel& channel, Clock::time_point deadline) {
-  Impl& p = *impl_;
-  {
-    std::lock_guard lock(p.mu);
-    for (const auto& [id, op] : p.ops) p.dropped.insert(id);
-    p.set_broken(Code::aborted, "verbs connection to " + p.name() + " is being rebuilt");
-    ++p.stats.rebuilds;
-  }
-  p.establish(channel, deadline);
-}
-
-std::string Pair::describe() const {
-  const Impl& p = *impl_;
-  std::lock_guard lock(p.mu);
-  std::ostringstream s;
-  s << p.core->where() << " qpn";
-  for (std::size_t i = 0; i < p.qps.size(); ++i) s << (i ? "," : " ") << p.qps[i]->qpn();
-  s << " -> " << p.peer << " qpn";
-  for (std::size_t i = 0; i < p.remote.qpns.size(); ++i) s << (i ? "," : " ") << p.remote.qpns[i];
-  s << ", mtu " << p.remote.mtu << ", " << p.slot_count << " slots of " << size_text(p.slot_payload)
-    << " here, " << p.remote.slot_count << " of " << size_text(p.remote.slot_payload) << " there";
-  return s.str();
-}
-
-PairStats Pair::stats() const {
-  std::lock_guard lock(impl_->mu);
-  return impl_->stats;
-}
-
-// ---- Device -----------------------------------------------------------------------
-
-struct Device::Impl {
-  std::shared_ptr<Core> core;
-  std::mutex pairs_mu;
-  std::vector<std::weak_ptr<Pair::Impl>> pairs;
-  std::atomic<std::uint64_t> pairs_version{0};
-  int wake_fd = -1;
-  std::atomic<bool> stop{false};
-  std::thread progress;
-
-  void wake() {
-    const std::uint64_t one = 1;
-    [[maybe_unused]] ssize_t n = ::write(wake_fd, &one, sizeof one);
-  }
-
-  // Busy-polls every pair's CQ; after spin_us without work yields the CPU, and
-  // after yield_us without work arms the CQs and sleeps on the completion channel
-  // (a verbs event) or the wake descriptor (new pair, stop).
-  void progress_loop() {
-    std::vector<std::shared_ptr<Pair::Impl>> snapshot;
-    std::uint64_t seen = ~0ull;
-    auto idle_since = Clock::now();
-    const std::chrono::microseconds spin(core->options.spin_us);
-    const std::chrono::microseconds yield(std::max(core->options.spin_us, core->options.yield_us));
-    while (!stop.load(std::memory_order_relaxed)) {
-      // A pair whose owner let go is referenced by the snapshot alone: drop it here.
-      bool stale = false;
-      for (auto& p : snapshot) stale = stale || p.use_count() == 1;
-      if (stale || pairs_version.load() != seen) {
-        std::lock_guard lock(pairs_mu);
-        seen = pairs_version.load();
-        snapshot.clear();
-        for (auto it = pairs.begin(); it != pairs.end();) {
-          if (auto sp = it->lock()) {
-            snapshot.push_back(std::move(sp));
-            ++it;
-          } else {
-            it = pairs.erase(it);
-          }
-        }
-      }
-      int work = 0;
-      for (auto& p : snapshot) work += p->poll();
-      if (work > 0) {
-        idle_since = Clock::now();
-        continue;
-      }
-      const auto idle = Clock::now() - idle_since;
-      if (idle < spin) continue;
-      if (idle < yield) {
-        sched_yield();
-        continue;
-      }
-      for (auto& p : snapshot) p->arm();
-      // A completion between the last poll and arming raised no event: poll again.
-      for (auto& p : snapshot) work += p->poll();
-      if (work > 0) {
-        idle_since = Clock::now();
-        continue;
-      }
-      pollfd fds[2] = {{core->channel->fd(), POLLIN, 0}, {wake_fd, POLLIN, 0}};
-      // The wake descriptor covers stop and new pairs; the timeout is a safety net.
-      const int ready = ::poll(fds, 2, 1000);
-      // Read and acknowledge every event now (ibv_destroy_cq waits for read events to be acked).
-      ibv_cq* cq = nullptr;
-      void* user = nullptr;
-      while (core->fn().get_cq_event(core->channel->get(), &cq, &user) == 0) {
-        core->fn().ack_cq_events(cq, 1);
-      }
-      std::uint64_t v = 0;
-      while (::read(wake_fd, &v, sizeof v) > 0) {
-      }
-      // After a wake-up, busy-poll again from the start (not after the timeout:
-      // an idle device goes straight back to sleep).
-      if (ready > 0) idle_since = Clock::now();
-    }
-  }
-
-  ~Impl() {
-    stop = true;
-    if (progress.joinable()) {
-      wake();
-      progress.join();
-    }
-    if (wake_fd >= 0) ::close(wake_fd);
-  }
-};
-
-Device::Device(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-
-Device::~Device() {
-  // Pairs that outlive the device fail; their core (PD, pool) stays until they go.
-  std::lock_guard lock(impl_->pairs_mu);
-  for (auto& w : impl_->pairs) {
-    if (auto p = w.lock()) {
-      std::lock_guard plock(p->mu);
-      p->set_broken(Code::aborted, "verbs device " + impl_->core->where() + " was closed");
-    }
-  }
-}
-
-std::unique_ptr<Device> Device::open(std::shared_ptr<const IbverbsLibrary> lib,
-                                     const Options& options, std::string local_node,
-                                     std::optional<config::VerbsHca> hca) {
-  if (!hca) {
-    for (const DeviceInfo& d : discover_devices(*lib)) {
-      for (const PortInfo& p : d.ports) {
-        if (p.active && !hca) hca = config::VerbsHca{d.name, p.number};
-      }
-    }
-    if (!hca) {
-      throw Error(Code::unavailable, "no active RDMA port: " + no_devices_reason());
-    }
-  }
-  auto core = std::make_shared<Core>();
-  core->lib = lib;
-  core->options = options;
-  core->node = std::move(local_node);
-  core->port = hca->port;
-  core->ctx = std::make_unique<Context>(lib, hca->name);
-  const IbverbsFunctions& f = lib->fn();
-
-  ibv_device_attr dattr{};
-  if (const int rc = f.query_device(core->ctx->get(), &dattr); rc != 0) {
-    throw_errno("ibv_query_device " + hca->name, rc > 0 ? rc : errno);
-  }
-  if (hca->port < 1 || hca->port > dattr.phys_port_cnt) {
-    throw Error(Code::not_found, "RDMA device " + hca->name + " has no port " +
-                                     std::to_string(hca->port) + " (ports 1.." +
-                                     std::to_string(dattr.phys_port_cnt) + "; verbs.hcas)");
-  }
-  core->max_qp_wr = static_cast<std::uint32_t>(dattr.max_qp_wr);
-  core->max_sge = static_cast<std::uint32_t>(dattr.max_sge);
-  core->max_cqe = static_cast<std::uint32_t>(dattr.max_cqe);
-  const PortInfo port = query_port_info(f, core->ctx->get(), hca->name, hca->port);
-  if (!port.active) {
-    throw Error(Code::unavailable, "RDMA port " + core->where() + " is " + port.state +
-                                       ", not active (cable, switch or subnet manager)");
-  }
-  core->ethernet = port.link_layer == "Ethernet";
-  core->lid = port.lid;
-  if (options.gid_index >= 0) {
-    core->gid_index = options.gid_index;
-  } else {
-    const std::optional<int> chosen = choose_gid_index(port);
-    if (!chosen) throw Error(Code::unavailable, "RDMA port " + core->where() + " has no GID");
-    core->gid_index = *chosen;
-  }
-  ibv_gid gid{};
-  if (f.query_gid(core->ctx->get(), static_cast<std::uint8_t>(hca->port), core->gid_index, &gid) !=
-      0) {
-    throw Error(Code::invalid_argument, "GID index " + std::to_string(core->gid_index) + " of " +
-                                            core->where() + " cannot be read (verbs.gid_index)");
-  }
-  std::memcpy(core->gid, gid.raw, 16);
-  core->gid_text = format_gid(gid.raw);
-  core->gid_type = read_gid_attrs("/sys", hca->name, hca->port, core->gid_index).type;
-  core->mtu = port.active_mtu;
-  if (options.mtu != 0) core->mtu = std::min(core->mtu, options.mtu);
-  if (core->max_sge < 3) {
-    throw Error(Code::unavailable, core->where() + " supports " + std::to_string(core->max_sge) +
-                                       " scatter-gather entries per work request; 3 are needed");
-  }
-
-  core->pd = std::make_unique<ProtectionDomain>(*core->ctx);
-  core->channel = std::make_unique<CompletionChannel>(*core->ctx);
-  core->pool = RegisteredPool::create(*core->pd, options.pool_bytes);
-  core->mr_cache = std::make_unique<MrCache>(*core->pd, options.mr_cache_entries);
-
-  auto impl = std::make_unique<Impl>();
-  impl->core = core;
-  impl->wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (impl->wake_fd < 0) throw_errno("eventfd for the verbs progress thread");
-  Impl* raw = impl.get();
-  impl->progress = std::thread([raw] { raw->progress_loop(); });
-  return std::unique_ptr<Device>(new Device(std::move(impl)));
-}
-
-Buffer Device::allocate(std::size_t size) {
-  std::shared_ptr<RegisteredPool::Block> block = impl_->core->pool->allocate(size);
-  Buffer b;
-  b.data_ = block->data();
-  b.size_ = size;
-  b.lkey_ = block->lkey();
-  b.owner_ = std::move(block);
-  return b;
-}
-
-Buffer Device::register_memory(void* data, std::size_t size) {
-  std::shared_ptr<MemoryRegion> mr = impl_->core->mr_cache->get(data, size);
-  Buffer b;
-  b.data_ = static_cast<std::byte*>(data);
-  b.size_ = size;
-  b.lkey_ = mr->lkey();
-  b.owner_ = std::move(mr);
-  return b;
-}
-
-void Device::invalidate(void* data, std::size_t size) { impl_->core->mr_cache->invalidate(data, size); }
-
-std::shared_ptr<void> Device::invalidator(void* data, std::size_t size) {
-  struct Invalidator {
-    std::weak_ptr<Core> core;
-    void* data;
-    std::size_t size;
-    ~Invalidator() {
-      if (auto c = core.lock(); c && c->mr_cache) c->mr_cache->invalidate(data, size);
-    }
-  };
-  return std::shared_ptr<void>(new Invalidator{impl_->core, data, size});
-}
-
-std::unique_ptr<Pair> Device::connect(ExchangeChannel& channel, const std::string& peer_node,
-                                      Clock::time_point deadline) {
-  const std::shared_ptr<Core>& core = impl_->core;
-  const Options& o = core->options;
-  auto p = std::make_shared<Pair::Impl>();
-  p->core = core;
-  p->peer = peer_node;
-  p->slot_count = o.slots_per_peer;
-  p->slot_payload = o.slot_bytes;
-  p->slot_stride = kHeaderBytes + o.slot_bytes;
-  p->slots = core->pool->allocate(p->slot_count * p->slot_stride);
-  const std::uint64_t sq = std::min<std::uint64_t>(2 * o.slots_per_peer + 2, core->max_qp_wr);
-  const std::uint64_t cqe = std::min<std::uint64_t>(2 * sq * o.qps_per_connection + 16,
-                                                    core->max_cqe);
-  p->cq = std::make_unique<CompletionQueue>(*core->ctx, static_cast<int>(cqe),
-                                            core->channel.get(), p.get());
-  {
-    std::lock_guard lock(impl_->pairs_mu);
-    impl_->pairs.push_back(p);
-    ++impl_->pairs_version;
-  }
-  impl_->wake();
-  try {
-    p->establish(channel, deadline);
-  } catch (const Error& e) {
-    throw Error(e.code(), "connecting verbs to node " + peer_node + " from " + core->where() +
-                              ": " + e.what());
-  }
-  return std::unique_ptr<Pair>(new Pair(std::move(p)));
-}
-
-std::string Device::describe() const {
-  const Core& c = *impl_->core;
-  std::ostringstream s;
-  s << c.ctx->name() << " port " << c.port << " (" << (c.ethernet ? "Ethernet" : "InfiniBand");
-  if (c.ethernet) {
-    s << ", " << (c.gid_type.empty() ? "RoCE" : c.gid_type) << " gid " << c.gid_index << ' '
-      << c.gid_text;
-  } else {
-    s << ", lid " << c.lid;
-  }
-  s << ", mtu " << c.mtu << ", pool " << size_text(c.pool->capacity()) << ")";
-  return s.str();
-}
-
-const std::string& Device::name() const { return impl_->core->ctx->name(); }
-std::uint32_t Device::port() const { return impl_->core->port; }
-
-DeviceStats Device::stats() const {
-  const Core& c = *impl_->core;
-  DeviceStats s;
-  s.pool_bytes = c.pool->capacity();
-  s.pool_in_use = c.pool->in_use();
-  s.mr_cache_entries = c.mr_cache->size();
-  s.mr_cache_hits = c.mr_cache->hits();
-  s.mr_cache_misses = c.mr_cache->misses();
-  return s;
-}
-
-std::vector<std::unique_ptr<Device>> open_devices(std::shared_ptr<const IbverbsLibrary> lib,
-                                                  const Options& options,
-                                                  const std::string& local_node) {
-  std::vector<config::VerbsHca> wanted = options.hcas;
-  if (wanted.empty()) {
-    for (const DeviceInfo& d : discover_devices(*lib)) {
-      for (const PortInfo& p : d.ports) {
-        if (p.active) wanted.push_back({d.name, p.number});
-      }
-    }
-    if (wanted.empty()) throw Error(Code::unavailable, "no active RDMA port: " + no_devices_reason());
-  }
-  std::vector<std::unique_ptr<Device>> out;
-  std::string reasons;
-  for (const config::VerbsHca& h : wanted) {
-    try {
-      out.push_back(Device::open(lib, options, local_node, h));
-    } catch (const Error& e) {
-      reasons += (reasons.empty() ? "" : "; ") + std::string(e.what());
-    }
-  }
-  if (out.empty()) throw Error(Code::unavailable, "no RDMA port could be opened: " + reasons);
-  return out;
-}
 
 }  // namespace collectived::verbs
