@@ -15,6 +15,7 @@
 #include "config/profile.h"
 #include "daemon/metrics.h"
 #include "daemon/notify.h"
+#include "daemon/options.h"
 #include "engine/transport/tcp/device.h"
 #include "engine/transport/tcp/node_transport.h"
 #include "engine/transport/select.h"
@@ -39,7 +40,9 @@ engine::NodeAlgorithmOptions node_algorithms(const config::Profile& p);
 /// profile and calls run(); nothing here is global.
 class Server final : public SessionHost {
  public:
-  Server(config::Profile profile, ProfileSource source, engine::Logger& logger);
+  /// `hooks`: collectived --test-hook (tests only).
+  Server(config::Profile profile, ProfileSource source, engine::Logger& logger,
+         TestHooks hooks = {});
   ~Server() override;
 
   /// Binds the client socket (throws Error naming the path on failure).
@@ -80,6 +83,7 @@ class Server final : public SessionHost {
 
   config::Profile profile_;
   ProfileSource source_;
+  const TestHooks test_hooks_;
   engine::Logger& log_;
   Notifier notifier_;
   Metrics metrics_;  // before engine_, which reports to it

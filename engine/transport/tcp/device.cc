@@ -109,12 +109,6 @@ std::uint32_t effective_streams(std::uint32_t configured, std::uint32_t io_threa
 PeerOptions peer_options(const config::Profile& profile, const std::string& daemon_version) {
   PeerOptions o;
   o.local.protocol_version = peerwire::PEER_PROTOCOL_VERSION;
-  // TEST HOOK: announce another peer protocol version, so that tests can meet
-  // a version mismatch without building a second daemon. Never set it in
-  // production; the daemon logs a warning (event=test_hook) when it is set.
-  if (const char* v = std::getenv("COLLECTIVED_TEST_PEER_VERSION"); v != nullptr && *v != '\0') {
-    o.local.protocol_version = static_cast<std::uint32_t>(std::strtoul(v, nullptr, 10));
-  }
   o.local.node = profile.node.name;
   o.local.daemon_version = daemon_version;
   o.bind_address = profile.peer.listen_address;
@@ -164,7 +158,9 @@ Device::Device(asio::io_context& io, PeerOptions options, engine::Logger& log)
     }
   }
   if (options_.local.protocol_version != peerwire::PEER_PROTOCOL_VERSION) {
-    log_.warn("test_hook", {{"COLLECTIVED_TEST_PEER_VERSION", options_.local.protocol_version},
+    // A test hook (collectived --test-hook peer_version=N): tests meet a
+    // version mismatch without building a second daemon.
+    log_.warn("test_hook", {{"peer_version", options_.local.protocol_version},
                             {"real_version", peerwire::PEER_PROTOCOL_VERSION},
                             {"effect", "this daemon announces a fake peer protocol version; "
                                        "for tests only"}});

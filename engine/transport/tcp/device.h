@@ -178,9 +178,9 @@ class Device final : private Pair::Owner {
   DownHandler down_handler_;
 };
 
-/// The options the profile gives. Reads the test hook
-/// COLLECTIVED_TEST_PEER_VERSION (a protocol version to announce instead of
-/// the real one; tests of the version check only).
+/// The options the profile gives. (Tests of the version check set
+/// `local.protocol_version` to announce another version: collectived
+/// --test-hook peer_version=N.)
 PeerOptions peer_options(const config::Profile& profile, const std::string& daemon_version);
 
 /// tcp.io_threads as it runs on a machine of `cores` cores: at most

@@ -118,7 +118,7 @@ class NodeTransport final : public engine::NodeTransport {
   /// none (verbs.in_place_min_bytes). Set before the first send.
   void set_in_place_min_bytes(std::uint64_t bytes) { in_place_min_ = bytes; }
   /// Test hook: after `writes` more messages to any peer, move that pair's QPs
-  /// to the error state once (COLLECTIVED_TEST_VERBS_QP_ERROR_AFTER).
+  /// to the error state once (Options::qp_error_after).
   void force_error_after(std::uint64_t writes) { force_after_ = writes; }
 
   std::vector<VerbsPeerStatus> status() const;

@@ -35,6 +35,12 @@ struct Options {
   /// A waiting caller polls the completion queue itself this long before sleeping.
   std::uint32_t wait_poll_us = 0;
 
+  /// Test hooks (collectived --test-hook; never set in production): the
+  /// file loaded instead of libibverbs.so.1 ("": the real one), and a QP
+  /// error forced after this many messages (0: never; NodeTransport).
+  std::string ibverbs_soname;
+  std::uint64_t qp_error_after = 0;
+
   static Options from_profile(const config::Profile& profile);
 };
 

@@ -137,9 +137,9 @@ void PeerSetup::shutdown() {
 void PeerSetup::open(NodeTransport::ConnectFailed connect_failed) {
   const Options& options = options_;
   try {
-    // COLLECTIVED_TEST_IBVERBS_SONAME: tests of a machine without libibverbs.
-    const char* soname = std::getenv("COLLECTIVED_TEST_IBVERBS_SONAME");
-    lib_ = soname != nullptr ? IbverbsLibrary::load(soname) : IbverbsLibrary::load();
+    // Test hook: tests of a machine without libibverbs.
+    lib_ = !options.ibverbs_soname.empty() ? IbverbsLibrary::load(options.ibverbs_soname)
+                                           : IbverbsLibrary::load();
     // No device at all (no HCA, no driver): say that, not what a named device's
     // lookup would answer (ibv_get_device_list fails with ENOSYS without the
     // kernel's InfiniBand core).
@@ -182,9 +182,7 @@ void PeerSetup::open(NodeTransport::ConnectFailed connect_failed) {
   verbs_->on_connect_failed(std::move(connect_failed));
   verbs_->set_in_place_min_bytes(options.in_place_min_bytes);
   // Test hook (tests/rdma): a QP error after this many messages.
-  if (const char* n = std::getenv("COLLECTIVED_TEST_VERBS_QP_ERROR_AFTER")) {
-    verbs_->force_error_after(std::strtoull(n, nullptr, 10));
-  }
+  if (options.qp_error_after != 0) verbs_->force_error_after(options.qp_error_after);
   log_.info("transport_selected", {{"transport", "verbs"},
                                    {"device", device_text_},
                                    {"gpudirect", gpudirect_route_},
