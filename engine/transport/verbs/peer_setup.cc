@@ -204,7 +204,6 @@ void PeerSetup::peer_down(const std::string& address, const std::string& why) {
   verbs_->fail_pair(address, "its TCP peer connection went down: " + why);
 }
 
-
 void PeerSetup::send_setup(const std::string& address, std::vector<std::byte> bytes,
                                     std::shared_ptr<Setup> setup) {
   peers_.send(address, kVerbsChannel, std::move(bytes),
