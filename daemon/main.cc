@@ -69,7 +69,7 @@ int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
   engine::Logger log(profile.log.level);
   try {
-    daemon::Server server(profile, {opts.profile_file, opts.overrides}, log);
+    daemon::Server server(profile, {opts.profile_file, opts.overrides}, log, opts.test_hooks);
     server.listen();
     return server.run();
   } catch (const Error& e) {

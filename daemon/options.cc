@@ -1,6 +1,38 @@
 #include "daemon/options.h"
 
+#include <cstdlib>
+
 namespace collectived::daemon {
+namespace {
+
+std::uint64_t hook_number(const std::string& name, const std::string& value) {
+  char* end = nullptr;
+  const std::uint64_t n = std::strtoull(value.c_str(), &end, 10);
+  if (value.empty() || *end != '\0') {
+    throw UsageError("--test-hook " + name + "=" + value + ": expected a number");
+  }
+  return n;
+}
+
+// One --test-hook NAME=VALUE (TestHooks; tests only).
+void set_test_hook(TestHooks& hooks, const std::string& hook) {
+  const auto eq = hook.find('=');
+  if (eq == std::string::npos) throw UsageError("--test-hook " + hook + ": expected NAME=VALUE");
+  const std::string name = hook.substr(0, eq);
+  const std::string value = hook.substr(eq + 1);
+  if (name == "peer_version") {
+    hooks.peer_version = static_cast<std::uint32_t>(hook_number(name, value));
+  } else if (name == "ibverbs_soname") {
+    hooks.ibverbs_soname = value;
+  } else if (name == "verbs_qp_error_after") {
+    hooks.verbs_qp_error_after = hook_number(name, value);
+  } else {
+    throw UsageError("--test-hook " + hook + ": unknown hook '" + name +
+                     "' (peer_version, ibverbs_soname, verbs_qp_error_after)");
+  }
+}
+
+}  // namespace
 
 const char* usage_text() {
   return "usage: collectived [--profile FILE] [--set KEY.PATH=VALUE]...\n"
@@ -53,6 +85,8 @@ Options parse_options(const std::vector<std::string>& args) {
       o.overrides.push_back(args[++i]);
     } else if (a.rfind("--set=", 0) == 0) {
       o.overrides.push_back(a.substr(6));
+    } else if (is("--test-hook")) {
+      set_test_hook(o.test_hooks, value("--test-hook"));
     } else if (a == "--print-default-profile") {
       set_mode(Options::Mode::print_default_profile, a);
     } else if (a == "--print-profile") {

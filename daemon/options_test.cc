@@ -20,6 +20,25 @@ TEST_CASE("command line: modes, profile and overrides") {
   CHECK(parse_options({}).profile_file.empty());
 }
 
+TEST_CASE("command line: test hooks, for the tests only") {
+  auto o = parse_options({"--test-hook", "peer_version=99", "--test-hook=verbs_qp_error_after=40",
+                          "--test-hook", "ibverbs_soname=libibverbs-missing.so.1"});
+  CHECK(o.mode == Options::Mode::run);
+  CHECK(o.test_hooks.peer_version == 99);
+  CHECK(o.test_hooks.verbs_qp_error_after == 40);
+  CHECK(o.test_hooks.ibverbs_soname == "libibverbs-missing.so.1");
+  o = parse_options({});
+  CHECK(o.test_hooks.peer_version == 0);
+  CHECK(o.test_hooks.verbs_qp_error_after == 0);
+  CHECK(o.test_hooks.ibverbs_soname.empty());
+  CHECK_THROWS_WITH_AS(parse_options({"--test-hook", "nosuch=1"}), doctest::Contains("unknown hook"),
+                       UsageError);
+  CHECK_THROWS_WITH_AS(parse_options({"--test-hook", "peer_version=x"}),
+                       doctest::Contains("expected a number"), UsageError);
+  CHECK_THROWS_AS(parse_options({"--test-hook", "peer_version"}), UsageError);
+  CHECK_THROWS_AS(parse_options({"--test-hook"}), UsageError);
+}
+
 TEST_CASE("command line: mistakes are usage errors that say what to fix") {
   CHECK_THROWS_WITH_AS(parse_options({"--frobnicate"}), doctest::Contains("unknown argument"),
                        UsageError);

@@ -67,7 +67,7 @@ engine::NodeAlgorithmOptions node_algorithms(const config::Profile& p) {
   // message one header over tcp.chunk_bytes would go as two and be
   // reassembled (a zero-fill and a copy more) on the other side. From
   // kPlaceMinBytes of payload the header (a few hundred bytes) travels in
-  // the chunk's frame and only the payload counts (peer_link.cc, protocol
+  // the chunk's frame and only the payload counts (tcp/pair.cc, protocol
   // 3), so the chunk is tcp.chunk_bytes itself: a 1 MiB segment goes as one
   // chunk, not 1020 + 4 KiB. Smaller chunks keep room for the header.
   o.chunk_bytes = p.tcp.chunk_bytes >= engine::kPlaceMinBytes ? p.tcp.chunk_bytes
@@ -102,6 +102,20 @@ std::uint32_t open_descriptors() {
   return n;
 }
 
+// The transports' options from the profile, and the test hooks
+// (collectived --test-hook; tests only).
+tcp::PeerOptions peer_options(const config::Profile& profile, const TestHooks& hooks) {
+  tcp::PeerOptions o = tcp::peer_options(profile, kVersion);
+  if (hooks.peer_version != 0) o.local.protocol_version = hooks.peer_version;
+  return o;
+}
+verbs::Options verbs_options(const config::Profile& profile, const TestHooks& hooks) {
+  verbs::Options o = verbs::Options::from_profile(profile);
+  o.ibverbs_soname = hooks.ibverbs_soname;
+  o.qp_error_after = hooks.verbs_qp_error_after;
+  return o;
+}
+
 // Keys that SIGHUP applies without a restart.
 bool live_key(const std::string& key) {
   return key == "log.level" || key.rfind("deadlines.", 0) == 0 ||
@@ -114,9 +128,11 @@ bool live_key(const std::string& key) {
 
 }  // namespace
 
-Server::Server(config::Profile profile, ProfileSource source, engine::Logger& logger)
+Server::Server(config::Profile profile, ProfileSource source, engine::Logger& logger,
+               TestHooks hooks)
     : profile_(std::move(profile)),
       source_(std::move(source)),
+      test_hooks_(std::move(hooks)),
       log_(logger),
       registry_(registry_limits(profile_)),
       engine_(engine_options(profile_, &metrics_), registry_, log_),
@@ -131,7 +147,7 @@ Server::Server(config::Profile profile, ProfileSource source, engine::Logger& lo
       watchdog_timer_(io_),
       shutdown_timer_(io_),
       sweep_timer_(io_),
-      peers_(io_, tcp::peer_options(profile_, kVersion), log_),
+      peers_(io_, peer_options(profile_, test_hooks_), log_),
       metrics_server_(io_, log_,
                       [this] {
                         capnp::MallocMessageBuilder b;
@@ -157,8 +173,8 @@ void Server::listen() {
   // Peers first: once the client socket answers, the daemon is fully up.
   peers_.listen();  // peer.listen_address:peer.port, unless peer.port is 0
   if (peers_.listening()) {
-    transport_ = std::make_unique<transport::SelectingTransport>(profile_, address_of(profile_),
-                                                                 peers_, engine_, log_);
+    transport_ = std::make_unique<transport::SelectingTransport>(
+        profile_, verbs_options(profile_, test_hooks_), address_of(profile_), peers_, engine_, log_);
     transport_->start();
     engine_.set_node_transport(transport_.get());
   }

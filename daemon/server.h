@@ -15,8 +15,9 @@
 #include "config/profile.h"
 #include "daemon/metrics.h"
 #include "daemon/notify.h"
-#include "engine/transport/tcp/peer_manager.h"
-#include "engine/transport/tcp/peer_transport.h"
+#include "daemon/options.h"
+#include "engine/transport/tcp/device.h"
+#include "engine/transport/tcp/node_transport.h"
 #include "engine/transport/select.h"
 #include "daemon/ring_poller.h"
 #include "daemon/session.h"
@@ -24,8 +25,6 @@
 #include "engine/registry.h"
 
 namespace collectived::daemon {
-
-using tcp::PeerTransport;
 
 /// Where the profile came from, so SIGHUP can load it again.
 struct ProfileSource {
@@ -41,7 +40,9 @@ engine::NodeAlgorithmOptions node_algorithms(const config::Profile& p);
 /// profile and calls run(); nothing here is global.
 class Server final : public SessionHost {
  public:
-  Server(config::Profile profile, ProfileSource source, engine::Logger& logger);
+  /// `hooks`: collectived --test-hook (tests only).
+  Server(config::Profile profile, ProfileSource source, engine::Logger& logger,
+         TestHooks hooks = {});
   ~Server() override;
 
   /// Binds the client socket (throws Error naming the path on failure).
@@ -58,7 +59,7 @@ class Server final : public SessionHost {
   std::string rendezvous_address() const override;
   void fill_status(wire::StatusReply::Builder status) override;
   void session_closed(std::uint64_t session_id) override;
-  PeerManager& peers() override { return peers_; }
+  tcp::Device& peers() override { return peers_; }
   engine::gpu::GpuExecutor& gpu() override { return *gpu_; }
   DirectBroker& direct_broker() override { return direct_broker_; }
 
@@ -82,6 +83,7 @@ class Server final : public SessionHost {
 
   config::Profile profile_;
   ProfileSource source_;
+  const TestHooks test_hooks_;
   engine::Logger& log_;
   Notifier notifier_;
   Metrics metrics_;  // before engine_, which reports to it
@@ -100,7 +102,7 @@ class Server final : public SessionHost {
   boost::asio::steady_timer watchdog_timer_;
   boost::asio::steady_timer shutdown_timer_;
   boost::asio::steady_timer sweep_timer_;
-  PeerManager peers_;  // after io_: its sockets and timers live on it
+  tcp::Device peers_;  // after io_: its sockets and timers live on it
   // The engine's way to other nodes: tcp or verbs per peer (after peers_,
   // which it uses; destroyed first).
   std::unique_ptr<transport::SelectingTransport> transport_;

@@ -26,12 +26,10 @@
 #include "ipc/ring.h"
 
 namespace collectived::tcp {
-class PeerManager;
+class Device;
 }
 
 namespace collectived::daemon {
-
-using tcp::PeerManager;
 
 /// What a session needs from the daemon that owns it.
 class RingPoller;
@@ -48,8 +46,8 @@ class SessionHost {
   virtual std::string rendezvous_address() const = 0;
   virtual void fill_status(wire::StatusReply::Builder status) = 0;
   virtual void session_closed(std::uint64_t session_id) = 0;
-  /// Connections to other nodes' daemons (engine/transport/tcp/peer_manager.h).
-  virtual PeerManager& peers() = 0;
+  /// Connections to other nodes' daemons (engine/transport/tcp/device.h).
+  virtual tcp::Device& peers() = 0;
   /// GPU memory and stream-ordered collectives (engine/gpu/executor.h).
   virtual engine::gpu::GpuExecutor& gpu() = 0;
   /// The clients' exchange for their own GPU kernels (direct_broker.h).

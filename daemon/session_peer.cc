@@ -1,5 +1,5 @@
 // ClientSession's requests about peer daemons (kept apart from session.cc).
-#include "engine/transport/tcp/peer_manager.h"
+#include "engine/transport/tcp/device.h"
 #include "daemon/session.h"
 
 namespace collectived::daemon {

@@ -325,7 +325,7 @@ TEST_CASE("a protocol version mismatch is refused, naming both versions on both 
   const std::string secret = write_secret(dir, "secret", "version test cluster secret 01234567");
   Node a{"a", "127.0.0.2", secret};
   Node c{"c", "127.0.0.4", secret};
-  c.env["COLLECTIVED_TEST_PEER_VERSION"] = "99";  // test hook
+  c.test_hooks = {"peer_version=99"};
   a.start();
   c.start();
   CHECK(c.daemon->wait_for_log("event=test_hook", 5s));

@@ -10,8 +10,8 @@
 // is allocated without zero-filling (the transport writes every byte).
 //
 // Implementations: the daemon's authenticated TCP peer connections
-// (engine/transport/tcp/peer_transport.h, over engine/transport/tcp/peer_manager.h)
-// and verbs (engine/transport/verbs/verbs_node_transport.h).
+// (engine/transport/tcp/node_transport.h, over engine/transport/tcp/device.h)
+// and verbs (engine/transport/verbs/node_transport.h).
 #pragma once
 
 #include <cstddef>

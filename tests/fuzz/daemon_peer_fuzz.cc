@@ -1,5 +1,5 @@
 // Fuzz target: daemon -> daemon frames through the real peer listener of an
-// in-process collectived (PeerManager, PeerLink, PeerStream).
+// in-process collectived (Device, Pair, PeerStream).
 //
 // Input: byte 0 is flags (bit 0: first authenticate honestly, with the
 // cluster secret, as a one-stream connection; else the bytes arrive before

@@ -5,7 +5,7 @@
 #include <map>
 #include <string>
 
-#include "engine/transport/verbs/verbs_transport.h"
+#include "engine/transport/verbs/device.h"
 
 namespace collectived::rdma_test {
 

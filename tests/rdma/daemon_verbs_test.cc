@@ -20,7 +20,7 @@
 #include <thread>
 
 #include "client/collective.h"
-#include "engine/transport/verbs/verbs_node_transport.h"
+#include "engine/transport/verbs/node_transport.h"
 #include "tests/support/collective_check.h"
 #include "tests/support/harness.h"
 #include "tests/support/nodes.h"
@@ -46,7 +46,7 @@ constexpr auto kRanksTimeout = 600s;
 /// [rxe1, rxe0], so that rail 0 joins rxe0 to rxe1 and rail 1 rxe1 to rxe0:
 /// two HCAs per node over the VM's one veth pair.
 struct VerbsCluster : Cluster {
-  explicit VerbsCluster(std::map<std::string, std::string> env1 = {},
+  explicit VerbsCluster(std::vector<std::string> hooks1 = {},
                         std::vector<std::string> extra1 = {}, bool two_rails = false) {
     const std::string dev0 = env_or("RDMA_VM_DEV0", "rxe0");
     const std::string dev1 = env_or("RDMA_VM_DEV1", "rxe1");
@@ -71,7 +71,7 @@ struct VerbsCluster : Cluster {
                     "deadlines.operation_ms=" + std::to_string(kWaitMs),
                     "workers.threads=2"};
       if (i == 1) {
-        node.env = env1;
+        node.test_hooks = hooks1;
         node.extra.insert(node.extra.end(), extra1.begin(), extra1.end());
       }
     }
@@ -323,10 +323,10 @@ TEST_CASE("two HCAs per node: both rails carry the full matrix") {
 // Every message in flight on the broken pair must fail or arrive: rank 0's
 // all-reduce once waited 60 s for n1's message, lost on the broken pair, when
 // n1 rebuilt the pair before n0 had noticed the error (the replaced pair went
-// without reporting the node down; fixed in VerbsNodeTransport::install).
+// without reporting the node down; fixed in NodeTransport::install).
 TEST_CASE("a QP error fails the affected operations naming the node; the pair is rebuilt") {
   // n1 moves its QPs to the error state after 40 messages to n0.
-  VerbsCluster cl(std::map<std::string, std::string>{{"COLLECTIVED_TEST_VERBS_QP_ERROR_AFTER", "40"}});
+  VerbsCluster cl(std::vector<std::string>{"verbs_qp_error_after=40"});
   run_verbs_layout(cl, {0, 1}, 1 << 16, [](RankCtx& c) {
     int failed = 0;
     for (int i = 0; i < 60 && failed == 0; ++i) {
@@ -402,7 +402,7 @@ TEST_CASE("a killed peer daemon fails operations naming it; restarted, it serves
 TEST_CASE("a daemon that cannot use verbs is served over tcp; the fallback is logged with its reason") {
   // n1 has no usable device (a name that does not exist): it starts, says why,
   // and refuses verbs; n0 falls back to tcp for it.
-  VerbsCluster cl(std::map<std::string, std::string>{}, {"verbs.hcas=[nosuchdev0]"});
+  VerbsCluster cl(std::vector<std::string>{}, {"verbs.hcas=[nosuchdev0]"});
   CHECK(!verbs_enabled(cl.nodes[1]));
   CHECK(cl.nodes[1].daemon->wait_for_log("verbs_unavailable", 10s));
   CHECK(cl.nodes[1].daemon->log().find("nosuchdev0") != std::string::npos);
@@ -425,7 +425,7 @@ TEST_CASE("daemons without an HCA or without libibverbs start, serve tcp and say
   }
   std::vector<Node>& nodes = cl.nodes;
   nodes[0].extra.push_back("verbs.hcas=[nosuchdev0]");
-  nodes[1].env = {{"COLLECTIVED_TEST_IBVERBS_SONAME", "libibverbs-missing.so.1"}};
+  nodes[1].test_hooks = {"ibverbs_soname=libibverbs-missing.so.1"};
   cl.start();
   REQUIRE(nodes[0].daemon->wait_for_log("verbs_unavailable", 10s));
   REQUIRE(nodes[1].daemon->wait_for_log("verbs_unavailable", 10s));

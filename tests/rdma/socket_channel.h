@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "engine/transport/verbs/verbs_transport.h"
+#include "engine/transport/verbs/device.h"
 #include "ipc/fd.h"
 
 namespace collectived::rdma_test {

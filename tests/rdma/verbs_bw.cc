@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "engine/transport/verbs/ibverbs_library.h"
-#include "engine/transport/verbs/verbs_transport.h"
+#include "engine/transport/verbs/device.h"
 #include "ipc/error.h"
 #include "tests/rdma/common.h"
 #include "tests/rdma/socket_channel.h"

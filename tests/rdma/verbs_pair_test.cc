@@ -23,8 +23,8 @@
 
 #include "engine/transport/verbs/devices.h"
 #include "engine/transport/verbs/ibverbs_library.h"
-#include "engine/transport/verbs/verbs_node_transport.h"
-#include "engine/transport/verbs/verbs_transport.h"
+#include "engine/transport/verbs/node_transport.h"
+#include "engine/transport/verbs/device.h"
 #include "ipc/error.h"
 #include "tests/rdma/common.h"
 #include "tests/rdma/socket_channel.h"
@@ -493,8 +493,8 @@ TEST_CASE("the engine's NodeTransport over verbs: ordered whole messages both wa
     downs.push_back(address + " " + node + " " + why);
     cv.notify_all();
   };
-  verbs::VerbsNodeTransport n0(*d0, nullptr, deliver_to(at0), down, 60s);
-  verbs::VerbsNodeTransport n1(*d1, nullptr, deliver_to(at1), down, 60s);
+  verbs::NodeTransport n0(*d0, nullptr, deliver_to(at0), down, 60s);
+  verbs::NodeTransport n1(*d1, nullptr, deliver_to(at1), down, 60s);
   n0.add_pair("10.99.0.2:7000", std::move(p0));
   n1.add_pair("10.99.0.1:7000", std::move(p1));
 
@@ -565,7 +565,7 @@ TEST_CASE("a pair the peer rebuilt reports the node down once, before the new pa
       cv.notify_all();
     };
   };
-  verbs::VerbsNodeTransport n0(
+  verbs::NodeTransport n0(
       *d0, nullptr,
       [&](const std::string&, engine::MessageBytes) {
         std::lock_guard lock(mu);
@@ -573,7 +573,7 @@ TEST_CASE("a pair the peer rebuilt reports the node down once, before the new pa
         cv.notify_all();
       },
       down_at(downs0), 60s);
-  verbs::VerbsNodeTransport n1(*d1, nullptr, [](const std::string&, engine::MessageBytes) {},
+  verbs::NodeTransport n1(*d1, nullptr, [](const std::string&, engine::MessageBytes) {},
                                down_at(downs1), 60s);
   auto [a0, a1] = connect_in_process(*d0, *d1);
   verbs::Pair* raw1 = a1.get();

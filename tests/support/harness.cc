@@ -169,6 +169,10 @@ Daemon::Daemon(Options options) {
     argv.push_back("--set");
     argv.push_back(o);
   }
+  for (const auto& h : options.test_hooks) {
+    argv.push_back("--test-hook");
+    argv.push_back(h);
+  }
   std::fflush(nullptr);
   pid_ = ::fork();
   if (pid_ == 0) {

@@ -70,6 +70,7 @@ class Daemon {
  public:
   struct Options {
     std::vector<std::string> overrides{};      ///< extra --set KEY=VALUE
+    std::vector<std::string> test_hooks{};     ///< --test-hook NAME=VALUE (daemon/options.h)
     std::string profile_file{};                ///< --profile FILE (optional)
     std::map<std::string, std::string> env{};  ///< extra environment
     bool wait_ready = true;                    ///< wait until the socket answers

@@ -48,6 +48,7 @@ struct Node {
   std::string secret_file;
   std::vector<std::string> extra{};
   std::map<std::string, std::string> env{};
+  std::vector<std::string> test_hooks{};  ///< --test-hook NAME=VALUE (daemon/options.h)
   std::string profile_file{};  ///< --profile (optional): a file a test may rewrite and reload
   std::uint16_t port = 0;
   std::unique_ptr<Daemon> daemon{};
@@ -65,6 +66,7 @@ struct Node {
                    "tcp.streams_per_peer=2"};
     o.overrides.insert(o.overrides.end(), extra.begin(), extra.end());
     o.env = env;
+    o.test_hooks = test_hooks;
     o.profile_file = profile_file;
     return o;
   }

@@ -1,6 +1,6 @@
 // Authentication of daemon-to-daemon connections: the cluster secret, nonces,
 // HMAC-SHA256 proofs, and the handshake of one stream as a state machine that
-// knows nothing of sockets (engine/transport/tcp/peer_link.h ferries its frames).
+// knows nothing of sockets (engine/transport/tcp/pair.h ferries its frames).
 //
 // The handshake (ipc/peer.capnp has the message flow):
 //   initiator -> hello {version, node, listen address, stream, connection id, nonceI, dialed}

@@ -13,7 +13,7 @@
 #include <optional>
 
 #include "engine/transport/tcp/peer_auth.h"
-#include "engine/transport/tcp/peer_link.h"
+#include "engine/transport/tcp/pair.h"
 #include "ipc/frame.h"
 
 using namespace collectived;
@@ -88,12 +88,13 @@ void run(Handshake& initiator, Handshake& acceptor,
   }
 }
 
-struct Pair {
+struct HandshakePair {
   Handshake initiator;
   Handshake acceptor;
-  Pair(const Secret& si, const Secret& sa, std::uint32_t vi = peerwire::PEER_PROTOCOL_VERSION,
-       std::uint32_t va = peerwire::PEER_PROTOCOL_VERSION,
-       const std::string& dialed = "127.0.0.3:40001")
+  HandshakePair(const Secret& si, const Secret& sa,
+                std::uint32_t vi = peerwire::PEER_PROTOCOL_VERSION,
+                std::uint32_t va = peerwire::PEER_PROTOCOL_VERSION,
+                const std::string& dialed = "127.0.0.3:40001")
       : initiator(si, identity("a", "127.0.0.2:40000", vi), 7, 0, 2, dialed),
         acceptor(sa, identity("b", "127.0.0.3:40001", va), "127.0.0.3:40001") {}
 };
@@ -162,7 +163,7 @@ TEST_CASE("proofs: bound to both nonces, the role and every transcript field") {
 
 TEST_CASE("handshake: the same secret on both sides completes, mutually") {
   const Secret s = secret_of("the same secret on both nodes!!");
-  Pair p(s, s);
+  HandshakePair p(s, s);
   run(p.initiator, p.acceptor);
   REQUIRE(p.initiator.state() == Handshake::State::done);
   REQUIRE(p.acceptor.state() == Handshake::State::done);
@@ -178,7 +179,7 @@ TEST_CASE("handshake: a wrong secret is refused by the acceptor, and the initiat
   const Secret s = secret_of("the right secret for this cluster");
   const Secret wrong = secret_of("a wrong secret from another place");
   SUBCASE("the initiator has the wrong secret") {
-    Pair p(wrong, s);
+    HandshakePair p(wrong, s);
     run(p.initiator, p.acceptor);
     CHECK(p.acceptor.state() == Handshake::State::failed);
     CHECK(p.acceptor.error_code() == Code::permission_denied);
@@ -192,14 +193,14 @@ TEST_CASE("handshake: a wrong secret is refused by the acceptor, and the initiat
     CHECK(p.initiator.error() == p.acceptor.error());
   }
   SUBCASE("the acceptor has the wrong secret") {
-    Pair p(s, wrong);
+    HandshakePair p(s, wrong);
     run(p.initiator, p.acceptor);
     CHECK(p.acceptor.state() == Handshake::State::failed);
     CHECK(p.initiator.state() == Handshake::State::failed);
     CHECK(p.initiator.error().find("authentication failed") != std::string::npos);
   }
   SUBCASE("an acceptor whose proof is forged is refused by the initiator") {
-    Pair p(s, s);
+    HandshakePair p(s, s);
     run(p.initiator, p.acceptor, [](bool to_acceptor, std::vector<std::byte>& f) {
       if (to_acceptor) return;
       auto frame = decode(f);
@@ -223,7 +224,7 @@ TEST_CASE("handshake: a recorded response does not open a second handshake (repl
   const Secret s = secret_of("the right secret for this cluster");
   std::vector<std::byte> recorded;
   {
-    Pair p(s, s);
+    HandshakePair p(s, s);
     run(p.initiator, p.acceptor, [&](bool to_acceptor, std::vector<std::byte>& f) {
       if (to_acceptor && decode(f)->root<peerwire::PeerMessage>().isResponse()) recorded = f;
     });
@@ -246,7 +247,7 @@ TEST_CASE("handshake: a recorded response does not open a second handshake (repl
 
 TEST_CASE("handshake: a changed nonce in flight fails") {
   const Secret s = secret_of("the right secret for this cluster");
-  Pair p(s, s);
+  HandshakePair p(s, s);
   run(p.initiator, p.acceptor, [](bool to_acceptor, std::vector<std::byte>& f) {
     if (to_acceptor) return;
     auto frame = decode(f);
@@ -265,7 +266,7 @@ TEST_CASE("handshake: a changed nonce in flight fails") {
 
 TEST_CASE("handshake: a protocol version mismatch names both versions on both sides") {
   const Secret s = secret_of("the right secret for this cluster");
-  Pair p(s, s, 1, 99);
+  HandshakePair p(s, s, 1, 99);
   run(p.initiator, p.acceptor);
   CHECK(p.acceptor.state() == Handshake::State::failed);
   CHECK(p.acceptor.error_code() == Code::protocol);
@@ -279,7 +280,7 @@ TEST_CASE("handshake: a protocol version mismatch names both versions on both si
 
 TEST_CASE("handshake: a connection that reached another address than it dialed is refused") {
   const Secret s = secret_of("the right secret for this cluster");
-  Pair p(s, s, 1, 1, "127.0.0.9:40001");
+  HandshakePair p(s, s, 1, 1, "127.0.0.9:40001");
   run(p.initiator, p.acceptor);
   CHECK(p.acceptor.state() == Handshake::State::failed);
   CHECK(p.acceptor.error_code() == Code::permission_denied);
@@ -364,7 +365,7 @@ TEST_CASE("peer addresses") {
 #include <random>
 #include <thread>
 
-#include "engine/transport/tcp/peer_manager.h"
+#include "engine/transport/tcp/device.h"
 #include "engine/log.h"
 
 namespace {
@@ -373,7 +374,7 @@ struct Node {
   std::string name;
   std::string ip;
   PeerOptions options;
-  std::unique_ptr<PeerManager> manager;
+  std::unique_ptr<Device> manager;
   std::string address() const { return options.local.listen_address; }
 };
 
@@ -399,7 +400,7 @@ void start(Node& n, boost::asio::io_context& io, engine::Logger& log,
     const char* hb = std::getenv("COLLECTIVED_TEST_HEARTBEAT_MS");
     n.options.heartbeat_interval =
         std::chrono::milliseconds(hb && std::atoi(hb) > 0 ? std::atoi(hb) : 100);
-    n.manager = std::make_unique<PeerManager>(io, n.options, log);
+    n.manager = std::make_unique<Device>(io, n.options, log);
     try {
       n.manager->listen();
       return;
@@ -739,7 +740,7 @@ TEST_CASE("bench: send throughput between two managers" * doctest::skip()) {
     for (std::uint64_t chunk : {std::uint64_t{256} << 10, std::uint64_t{1} << 20}) {
       a.options.streams_per_peer = streams;
       a.options.chunk_bytes = chunk;
-      a.manager = std::make_unique<PeerManager>(io_a, a.options, log);  // no listener needed
+      a.manager = std::make_unique<Device>(io_a, a.options, log);  // no listener needed
       constexpr std::size_t kMessage = 16 << 20;
       constexpr int kMessages = 64;
       std::atomic<int> received{0};
@@ -861,7 +862,7 @@ TEST_CASE("raw chunk bytes: reassembled out of order; a huge announcement costs 
   // This hand-driven peer answers no heartbeats: slow them down.
   b.manager.reset();
   b.options.heartbeat_interval = std::chrono::seconds(30);
-  b.manager = std::make_unique<PeerManager>(io, b.options, log);
+  b.manager = std::make_unique<Device>(io, b.options, log);
   b.manager->listen();
   std::mutex mu;
   std::vector<std::vector<std::byte>> got;
@@ -927,7 +928,7 @@ TEST_CASE("raw chunk bytes: reassembled out of order; a huge announcement costs 
   CHECK(received() == 2);
   ::close(fd);
   // The loop stops first: the manager may be destroyed only once its
-  // io_context no longer runs (TSan: ~PeerManager raced link_dead on the
+  // io_context no longer runs (TSan: ~Device raced link_dead on the
   // loop thread).
   guard.reset();
   io.stop();

@@ -1,4 +1,4 @@
-#include "engine/transport/tcp/peer_manager.h"
+#include "engine/transport/tcp/device.h"
 
 #include <boost/asio/ip/address.hpp>
 #include <boost/asio/post.hpp>
@@ -35,10 +35,10 @@ std::string hex(std::uint64_t v) {
 }  // namespace
 
 // An accepted stream until its handshake is done or failed.
-class PeerManager::Pending final : public StreamSink,
+class Device::Pending final : public StreamSink,
                                    public std::enable_shared_from_this<Pending> {
  public:
-  Pending(PeerManager& manager, std::shared_ptr<PeerStream> stream, const Secret& secret,
+  Pending(Device& manager, std::shared_ptr<PeerStream> stream, const Secret& secret,
           PeerIdentity local)
       : manager_(manager),
         stream(std::move(stream)),
@@ -80,7 +80,7 @@ class PeerManager::Pending final : public StreamSink,
   }
 
  private:
-  PeerManager& manager_;
+  Device& manager_;
 
  public:
   std::shared_ptr<PeerStream> stream;
@@ -109,12 +109,6 @@ std::uint32_t effective_streams(std::uint32_t configured, std::uint32_t io_threa
 PeerOptions peer_options(const config::Profile& profile, const std::string& daemon_version) {
   PeerOptions o;
   o.local.protocol_version = peerwire::PEER_PROTOCOL_VERSION;
-  // TEST HOOK: announce another peer protocol version, so that tests can meet
-  // a version mismatch without building a second daemon. Never set it in
-  // production; the daemon logs a warning (event=test_hook) when it is set.
-  if (const char* v = std::getenv("COLLECTIVED_TEST_PEER_VERSION"); v != nullptr && *v != '\0') {
-    o.local.protocol_version = static_cast<std::uint32_t>(std::strtoul(v, nullptr, 10));
-  }
   o.local.node = profile.node.name;
   o.local.daemon_version = daemon_version;
   o.bind_address = profile.peer.listen_address;
@@ -135,7 +129,7 @@ PeerOptions peer_options(const config::Profile& profile, const std::string& daem
   return o;
 }
 
-PeerManager::PeerManager(asio::io_context& io, PeerOptions options, engine::Logger& log)
+Device::Device(asio::io_context& io, PeerOptions options, engine::Logger& log)
     : io_(io), options_(std::move(options)), log_(log), acceptor_(io) {
   if (options_.io_threads > 0) {
     bulk_ = std::make_unique<BulkIo>(options_.io_threads);
@@ -164,14 +158,16 @@ PeerManager::PeerManager(asio::io_context& io, PeerOptions options, engine::Logg
     }
   }
   if (options_.local.protocol_version != peerwire::PEER_PROTOCOL_VERSION) {
-    log_.warn("test_hook", {{"COLLECTIVED_TEST_PEER_VERSION", options_.local.protocol_version},
+    // A test hook (collectived --test-hook peer_version=N): tests meet a
+    // version mismatch without building a second daemon.
+    log_.warn("test_hook", {{"peer_version", options_.local.protocol_version},
                             {"real_version", peerwire::PEER_PROTOCOL_VERSION},
                             {"effect", "this daemon announces a fake peer protocol version; "
                                        "for tests only"}});
   }
 }
 
-PeerManager::~PeerManager() {
+Device::~Device() {
   stopping_ = true;
   boost::system::error_code ignored;
   acceptor_.close(ignored);
@@ -181,7 +177,7 @@ PeerManager::~PeerManager() {
   }
 }
 
-const Secret& PeerManager::secret() {
+const Secret& Device::secret() {
   if (secret_) return *secret_;
   SecretFile file = load_secret(options_.secret_file);
   for (const auto& w : file.warnings) {
@@ -191,7 +187,7 @@ const Secret& PeerManager::secret() {
   return *secret_;
 }
 
-void PeerManager::listen() {
+void Device::listen() {
   if (options_.port == 0) {
     log_.info("peer_listener_disabled",
               {{"reason", "peer.port is 0"},
@@ -247,7 +243,7 @@ void PeerManager::listen() {
   accept_next();
 }
 
-void PeerManager::accept_next() {
+void Device::accept_next() {
   acceptor_.async_accept([this](const boost::system::error_code& ec, tcp::socket socket) {
     // Aborted first: a handler cancelled by the manager's destruction runs
     // after `this` is gone and must not touch it.
@@ -261,7 +257,7 @@ void PeerManager::accept_next() {
   });
 }
 
-void PeerManager::on_accept(tcp::socket socket) {
+void Device::on_accept(tcp::socket socket) {
   boost::system::error_code ec;
   const auto remote = socket.remote_endpoint(ec);
   const std::string remote_text = ec ? std::string("?") : endpoint_text(remote);
@@ -296,7 +292,7 @@ void PeerManager::on_accept(tcp::socket socket) {
   log_.debug("peer_accepted", {{"remote", remote_text}});
 }
 
-void PeerManager::handshake_failed(Pending& p) {
+void Device::handshake_failed(Pending& p) {
   pending_.erase(&p);  // Pending::finish holds it meanwhile
   if (stopping_) return;
   const Handshake& hs = p.handshake;
@@ -311,7 +307,7 @@ void PeerManager::handshake_failed(Pending& p) {
   }
 }
 
-void PeerManager::handshake_done(Pending& p) {
+void Device::handshake_done(Pending& p) {
   pending_.erase(&p);  // Pending::finish holds it meanwhile
   if (stopping_) {
     p.stream->close();
@@ -331,7 +327,7 @@ void PeerManager::handshake_done(Pending& p) {
   Record& rec = records_[key];
   rec.node = hs.remote().node;
   rec.ephemeral = key == unnamed;
-  std::shared_ptr<PeerLink> link;
+  std::shared_ptr<Pair> link;
   for (const auto& l : rec.links) {
     if (!l->outbound() && l->state() == PeerState::connecting &&
         l->connection_id() == hs.connection_id()) {
@@ -339,14 +335,14 @@ void PeerManager::handshake_done(Pending& p) {
     }
   }
   if (!link) {
-    link = std::make_shared<PeerLink>(io_, options_, *secret_, owner(), key, false, rec.node);
+    link = std::make_shared<Pair>(io_, options_, *secret_, owner(), key, false, rec.node);
     rec.links.push_back(link);
     ++rec.connections;
   }
   link->attach(p.stream, hs);
 }
 
-std::shared_ptr<PeerLink> PeerManager::link_for(const std::string& key, bool& opened) {
+std::shared_ptr<Pair> Device::link_for(const std::string& key, bool& opened) {
   Record& rec = records_[key];
   opened = false;
   for (const auto& l : rec.links) {
@@ -356,7 +352,7 @@ std::shared_ptr<PeerLink> PeerManager::link_for(const std::string& key, bool& op
     if (l->state() == PeerState::connecting && l->outbound()) return l;
   }
   const Secret& s = secret();
-  auto link = std::make_shared<PeerLink>(io_, options_, s, owner(), key, true, rec.node);
+  auto link = std::make_shared<Pair>(io_, options_, s, owner(), key, true, rec.node);
   rec.links.push_back(link);
   ++rec.connections;
   opened = true;
@@ -365,7 +361,7 @@ std::shared_ptr<PeerLink> PeerManager::link_for(const std::string& key, bool& op
   return link;
 }
 
-void PeerManager::link_ready(PeerLink& link) {
+void Device::link_ready(Pair& link) {
   Record& rec = records_[link.key()];
   rec.node = link.node();
   log_.info("peer_connected", {{"peer", link.key()},
@@ -376,7 +372,7 @@ void PeerManager::link_ready(PeerLink& link) {
                                {"peer_version", link.daemon_version()}});
 }
 
-void PeerManager::link_dead(PeerLink& link, PeerState was, Code code, const std::string& why,
+void Device::link_dead(Pair& link, PeerState was, Code code, const std::string& why,
                             bool refused) {
   const auto it = records_.find(link.key());
   if (it != records_.end()) {
@@ -413,7 +409,7 @@ void PeerManager::link_dead(PeerLink& link, PeerState was, Code code, const std:
   }
 }
 
-void PeerManager::link_data(PeerLink& link, std::uint64_t channel, std::uint64_t seq,
+void Device::link_data(Pair& link, std::uint64_t channel, std::uint64_t seq,
                             engine::MessageBytes payload) {
   const auto h = handlers_.find(channel);
   if (h != handlers_.end()) {
@@ -436,7 +432,7 @@ void PeerManager::link_data(PeerLink& link, std::uint64_t channel, std::uint64_t
   unclaimed_[channel].push_back({link.key(), seq, std::move(payload)});
 }
 
-engine::Placement PeerManager::link_place(PeerLink& link, std::uint64_t channel,
+engine::Placement Device::link_place(Pair& link, std::uint64_t channel,
                                           std::span<const std::byte> head, std::uint64_t bytes) {
   // Only where the data handler is there too: a message kept for a channel
   // without one (unclaimed_) must arrive whole.
@@ -445,7 +441,7 @@ engine::Placement PeerManager::link_place(PeerLink& link, std::uint64_t channel,
   return p->second(link.key(), head, bytes);
 }
 
-void PeerManager::on_place(std::uint64_t channel, PlaceHandler handler) {
+void Device::on_place(std::uint64_t channel, PlaceHandler handler) {
   asio::post(io_, [this, channel, handler = std::move(handler)]() mutable {
     if (handler) {
       placers_[channel] = std::move(handler);
@@ -455,7 +451,7 @@ void PeerManager::on_place(std::uint64_t channel, PlaceHandler handler) {
   });
 }
 
-void PeerManager::on_data(std::uint64_t channel, DataHandler handler) {
+void Device::on_data(std::uint64_t channel, DataHandler handler) {
   asio::post(io_, [this, channel, handler = std::move(handler)]() mutable {
     if (!handler) {
       handlers_.erase(channel);
@@ -473,14 +469,14 @@ void PeerManager::on_data(std::uint64_t channel, DataHandler handler) {
   });
 }
 
-void PeerManager::send(const std::string& peer, std::uint64_t channel,
+void Device::send(const std::string& peer, std::uint64_t channel,
                        std::vector<std::byte> payload, SendDone done) {
   engine::OutMessage message;
   message.head = std::move(payload);
   send(peer, channel, std::move(message), std::move(done));
 }
 
-void PeerManager::send(const std::string& peer, std::uint64_t channel, engine::OutMessage message,
+void Device::send(const std::string& peer, std::uint64_t channel, engine::OutMessage message,
                        SendDone done) {
   auto shared = std::make_shared<const engine::OutMessage>(std::move(message));
   asio::post(io_, [this, peer, channel, shared, done = std::move(done)]() mutable {
@@ -498,7 +494,7 @@ void PeerManager::send(const std::string& peer, std::uint64_t channel, engine::O
   });
 }
 
-void PeerManager::ping(const std::string& peer, PingDone done) {
+void Device::ping(const std::string& peer, PingDone done) {
   asio::post(io_, [this, peer, done = std::move(done)]() mutable {
     PingReply failed;
     if (stopping_) {
@@ -522,7 +518,7 @@ void PeerManager::ping(const std::string& peer, PingDone done) {
   });
 }
 
-std::vector<PeerStatus> PeerManager::status() const {
+std::vector<PeerStatus> Device::status() const {
   std::vector<PeerStatus> out;
   out.reserve(records_.size());
   for (const auto& [key, rec] : records_) {
@@ -537,7 +533,7 @@ std::vector<PeerStatus> PeerManager::status() const {
     st.rtt_us = rec.rtt_us;
     st.skew_ms = rec.skew_ms;
     st.outbound = rec.outbound;
-    const PeerLink* in_use = nullptr;
+    const Pair* in_use = nullptr;
     bool connecting = false;
     for (const auto& l : rec.links) {
       st.bytes_sent += l->bytes_sent();
@@ -564,13 +560,13 @@ std::vector<PeerStatus> PeerManager::status() const {
   return out;
 }
 
-void PeerManager::set_deadlines(std::chrono::milliseconds connect,
+void Device::set_deadlines(std::chrono::milliseconds connect,
                                 std::chrono::milliseconds heartbeat) {
   options_.connect_deadline = connect;
   options_.heartbeat_interval = heartbeat;
 }
 
-void PeerManager::shutdown(const std::string& why) {
+void Device::shutdown(const std::string& why) {
   if (stopping_) return;
   stopping_ = true;
   boost::system::error_code ignored;
@@ -587,7 +583,7 @@ void PeerManager::shutdown(const std::string& why) {
   }
 }
 
-void fill_peer_status(const PeerManager& peers, wire::StatusReply::Builder status) {
+void fill_peer_status(const Device& peers, wire::StatusReply::Builder status) {
   const auto list = peers.status();
   const auto now = std::chrono::system_clock::now();
   auto out = status.initPeers(static_cast<unsigned>(list.size()));

@@ -1,13 +1,13 @@
-#include "engine/transport/tcp/peer_transport.h"
+#include "engine/transport/tcp/node_transport.h"
 
 namespace collectived::tcp {
 
-void PeerTransport::send(const std::string& address, engine::OutMessage message, Done done) {
+void NodeTransport::send(const std::string& address, engine::OutMessage message, Done done) {
   peers_.send(address, kEngineChannel, std::move(message),
               [done = std::move(done)](const PeerResult& r) { done(r.code, r.message); });
 }
 
-void PeerTransport::connect(PeerManager& peers, engine::Engine& engine) {
+void NodeTransport::connect(Device& peers, engine::Engine& engine) {
   peers.on_data(kEngineChannel, [&engine](const std::string& peer, std::uint64_t,
                                           std::uint64_t, engine::MessageBytes payload) {
     engine.node_message(peer, std::move(payload));

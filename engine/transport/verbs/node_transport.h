@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "engine/transport/transport.h"
-#include "engine/transport/verbs/verbs_transport.h"
+#include "engine/transport/verbs/device.h"
 
 namespace collectived::verbs {
 
@@ -60,7 +60,7 @@ struct VerbsPeerStatus {
 /// default of verbs.in_place_min_bytes (set_in_place_min_bytes).
 inline constexpr std::size_t kInPlaceMinBytes = 16 * 1024;
 
-class VerbsNodeTransport final : public engine::NodeTransport {
+class NodeTransport final : public engine::NodeTransport {
  public:
   /// A whole message from the daemon at `address` (Engine::node_message).
   using Deliver = std::function<void(const std::string& address, engine::MessageBytes message)>;
@@ -80,13 +80,13 @@ class VerbsNodeTransport final : public engine::NodeTransport {
 
   /// `devices`: the node's HCAs, rail k on devices[k] (at least one; they
   /// outlive this object).
-  VerbsNodeTransport(std::vector<Device*> devices, Connector connector, Deliver deliver,
+  NodeTransport(std::vector<Device*> devices, Connector connector, Deliver deliver,
                      Down down, Clock::duration send_deadline);
-  VerbsNodeTransport(Device& device, Connector connector, Deliver deliver, Down down,
+  NodeTransport(Device& device, Connector connector, Deliver deliver, Down down,
                      Clock::duration send_deadline)
-      : VerbsNodeTransport(std::vector<Device*>{&device}, std::move(connector),
+      : NodeTransport(std::vector<Device*>{&device}, std::move(connector),
                            std::move(deliver), std::move(down), send_deadline) {}
-  ~VerbsNodeTransport() override;
+  ~NodeTransport() override;
 
   /// Queues `message`, as one tagged message of one or more writes. Payload
   /// pieces that lie in a client mapping (OutMessage::regions) of at least
@@ -118,7 +118,7 @@ class VerbsNodeTransport final : public engine::NodeTransport {
   /// none (verbs.in_place_min_bytes). Set before the first send.
   void set_in_place_min_bytes(std::uint64_t bytes) { in_place_min_ = bytes; }
   /// Test hook: after `writes` more messages to any peer, move that pair's QPs
-  /// to the error state once (COLLECTIVED_TEST_VERBS_QP_ERROR_AFTER).
+  /// to the error state once (Options::qp_error_after).
   void force_error_after(std::uint64_t writes) { force_after_ = writes; }
 
   std::vector<VerbsPeerStatus> status() const;

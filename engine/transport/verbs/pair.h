@@ -1,8 +1,8 @@
-// The RDMA verbs transport, as the engine sees it: devices opened from the
-// profile, one reliable-connected pair per peer daemon, writes of registered
-// buffer ranges with a tag, tagged receive completions, errors that name the
-// peer node. Free of <infiniband/verbs.h> (pimpl), so the engine and the
-// daemon never include verbs headers.
+// A verbs pair: the reliable-connected connection to one peer daemon, made
+// by a device (verbs/device.h); writes of registered buffer ranges with a
+// tag, tagged receive completions, errors that name the peer node. Free of
+// <infiniband/verbs.h> (pimpl), so the engine and the daemon never include
+// verbs headers.
 //
 // Data path (docs/architecture.md, "Verbs transport"): each side of a pair
 // owns `slots_per_peer` receive slots of `slot_bytes` in its registered pool;
@@ -15,48 +15,18 @@
 // the completion channel).
 #pragma once
 
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
-#include "config/profile.h"
+#include "engine/transport/verbs/buffer.h"
+#include "engine/transport/verbs/options.h"
 
 namespace collectived::verbs {
-
-class IbverbsLibrary;
-
-using Clock = std::chrono::steady_clock;
-
-/// The transport's settings, from the profile (verbs.*, memory.host_pool_bytes).
-struct Options {
-  std::vector<config::VerbsHca> hcas;  ///< empty: every active port
-  int gid_index = -1;                  ///< -1: discover (RoCE v2 IPv4-mapped preferred)
-  std::uint32_t mtu = 0;               ///< bytes; 0: the port's active MTU
-  std::uint32_t qps_per_connection = 1;
-  std::uint32_t retry_count = 7;       ///< 0..7
-  std::uint32_t timeout = 20;          ///< 0..31: 4.096 us * 2^timeout per try
-  std::uint64_t pool_bytes = 64ull << 20;
-  std::uint64_t slot_bytes = 512ull << 10;
-  std::uint32_t slots_per_peer = 16;
-  std::uint32_t mr_cache_entries = 1024;
-  /// Client-memory pieces at least this large are written in place; 0 = never
-  /// (VerbsNodeTransport).
-  std::uint64_t in_place_min_bytes = 16 * 1024;
-  /// Progress thread: busy-poll this long after the last completion, then
-  /// sched_yield() until yield_us, then sleep on the completion channel.
-  std::uint32_t spin_us = 50;
-  std::uint32_t yield_us = 1000;
-  /// A waiting caller polls the completion queue itself this long before sleeping.
-  std::uint32_t wait_poll_us = 0;
-
-  static Options from_profile(const config::Profile& profile);
-};
 
 /// The byte channel a pair exchanges its queue-pair parameters over: the
 /// authenticated peer connection in the daemon, a socket in tests. Whole
@@ -67,25 +37,6 @@ class ExchangeChannel {
   virtual void send(std::span<const std::byte> message) = 0;
   /// The next whole message; throws Error (timeout, remote) naming the peer.
   virtual std::vector<std::byte> receive(Clock::time_point deadline) = 0;
-};
-
-/// A registered local memory range, usable as a write source (and, for pool
-/// memory, as a destination of local copies). Copies share the registration.
-class Buffer {
- public:
-  Buffer() = default;
-  std::byte* data() const { return data_; }
-  std::size_t size() const { return size_; }
-  std::uint32_t lkey() const { return lkey_; }
-  explicit operator bool() const { return data_ != nullptr; }
-
- private:
-  friend class Device;
-  friend class Pair;
-  std::shared_ptr<const void> owner_;  // the MR or pool block
-  std::byte* data_ = nullptr;
-  std::size_t size_ = 0;
-  std::uint32_t lkey_ = 0;
 };
 
 /// Where a write's bytes sit in the message they belong to: a message may be
@@ -181,61 +132,5 @@ class Pair {
   explicit Pair(std::shared_ptr<Impl> impl);
   std::shared_ptr<Impl> impl_;
 };
-
-struct DeviceStats {
-  std::uint64_t pool_bytes = 0;         ///< registered once at open
-  std::uint64_t pool_in_use = 0;
-  std::uint64_t mr_cache_entries = 0;
-  std::uint64_t mr_cache_hits = 0;
-  std::uint64_t mr_cache_misses = 0;    ///< registrations made
-};
-
-/// One opened HCA port with its protection domain, registered pool, MR cache,
-/// completion channel and progress thread.
-class Device {
- public:
-  /// Opens the port `hca` (name, port), or the first active port when `hca` is
-  /// empty (Options::hcas picks otherwise). Throws Error (not_found,
-  /// unavailable, system) saying which device and why.
-  static std::unique_ptr<Device> open(std::shared_ptr<const IbverbsLibrary> lib,
-                                      const Options& options, std::string local_node,
-                                      std::optional<config::VerbsHca> hca = std::nullopt);
-  ~Device();
-  Device(const Device&) = delete;
-  Device& operator=(const Device&) = delete;
-
-  /// A block of the registered pool (registered once at open).
-  Buffer allocate(std::size_t size);
-  /// A registration covering [data, data + size), from the MR cache or new.
-  Buffer register_memory(void* data, std::size_t size);
-  /// Drops cached registrations overlapping the range (call before unmapping it).
-  void invalidate(void* data, std::size_t size);
-  /// An object that calls invalidate(data, size) when destroyed (a no-op once
-  /// the device is gone): attach it to the owner of the memory, which drops it
-  /// before the memory is unmapped (engine::HostRegion).
-  std::shared_ptr<void> invalidator(void* data, std::size_t size);
-
-  /// Connects to `peer_node` over `channel` (both sides call it). Throws naming the peer.
-  std::unique_ptr<Pair> connect(ExchangeChannel& channel, const std::string& peer_node,
-                                Clock::time_point deadline);
-
-  /// "rxe0 port 1 (Ethernet, RoCE v2 gid 1 0000:...:0a63:0001, mtu 1024)".
-  std::string describe() const;
-  const std::string& name() const;
-  std::uint32_t port() const;
-  DeviceStats stats() const;
-
-  struct Impl;
-
- private:
-  explicit Device(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
-};
-
-/// Opens every port the options name (or every active port): one Device each.
-/// Throws when none can be opened, with every port's reason.
-std::vector<std::unique_ptr<Device>> open_devices(std::shared_ptr<const IbverbsLibrary> lib,
-                                                  const Options& options,
-                                                  const std::string& local_node);
 
 }  // namespace collectived::verbs

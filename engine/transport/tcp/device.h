@@ -2,7 +2,7 @@
 // connections to them on first need, keeps and shares them, re-opens them
 // after a failure, and moves opaque messages between daemons.
 //
-//   PeerManager peers(io, options, log);
+//   Device peers(io, options, log);
 //   peers.listen();                                   // if peer.port != 0
 //   peers.on_data(channel, [](const std::string& peer, std::uint64_t channel,
 //                             std::uint64_t seq, engine::MessageBytes payload) {...});
@@ -38,7 +38,7 @@
 
 #include "config/profile.h"
 #include "engine/transport/tcp/peer_auth.h"
-#include "engine/transport/tcp/peer_link.h"
+#include "engine/transport/tcp/pair.h"
 #include "engine/log.h"
 #include "ipc/protocol.capnp.h"
 
@@ -62,7 +62,7 @@ struct PeerStatus {
   std::string last_error;
 };
 
-class PeerManager final : private PeerLink::Owner {
+class Device final : private Pair::Owner {
  public:
   using DataHandler = std::function<void(const std::string& peer, std::uint64_t channel,
                                          std::uint64_t seq, engine::MessageBytes payload)>;
@@ -71,10 +71,10 @@ class PeerManager final : private PeerLink::Owner {
   using DownHandler = std::function<void(const std::string& peer, const std::string& node,
                                          Code code, const std::string& why)>;
 
-  PeerManager(boost::asio::io_context& io, PeerOptions options, engine::Logger& log);
-  ~PeerManager() override;
-  PeerManager(const PeerManager&) = delete;
-  PeerManager& operator=(const PeerManager&) = delete;
+  Device(boost::asio::io_context& io, PeerOptions options, engine::Logger& log);
+  ~Device() override;
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
 
   /// Loads the secret and binds the listener when peer.port is not 0; throws
   /// Error naming the address, the profile keys and the reason otherwise.
@@ -123,7 +123,7 @@ class PeerManager final : private PeerLink::Owner {
   class Pending;
   struct Record {
     std::string node;
-    std::vector<std::shared_ptr<PeerLink>> links;  // connecting or ready
+    std::vector<std::shared_ptr<Pair>> links;  // connecting or ready
     std::uint64_t bytes_sent = 0;                  // of closed links
     std::uint64_t bytes_received = 0;
     std::uint64_t errors = 0;
@@ -140,16 +140,16 @@ class PeerManager final : private PeerLink::Owner {
     engine::MessageBytes payload;
   };
 
-  // PeerLink::Owner
-  void link_ready(PeerLink& link) override;
-  void link_dead(PeerLink& link, PeerState was, Code code, const std::string& why,
+  // Pair::Owner
+  void link_ready(Pair& link) override;
+  void link_dead(Pair& link, PeerState was, Code code, const std::string& why,
                  bool refused) override;
-  void link_data(PeerLink& link, std::uint64_t channel, std::uint64_t seq,
+  void link_data(Pair& link, std::uint64_t channel, std::uint64_t seq,
                  engine::MessageBytes payload) override;
-  engine::Placement link_place(PeerLink& link, std::uint64_t channel,
+  engine::Placement link_place(Pair& link, std::uint64_t channel,
                                std::span<const std::byte> head, std::uint64_t bytes) override;
 
-  PeerLink::Owner& owner() { return *this; }
+  Pair::Owner& owner() { return *this; }
   void accept_next();
   void on_accept(boost::asio::ip::tcp::socket socket);
   void handshake_done(Pending& pending);
@@ -157,13 +157,13 @@ class PeerManager final : private PeerLink::Owner {
   /// The secret, loaded on first need. Throws Error saying why it cannot be had.
   const Secret& secret();
   /// The link that serves `key`; opens one if none is ready or connecting.
-  std::shared_ptr<PeerLink> link_for(const std::string& key, bool& opened);
+  std::shared_ptr<Pair> link_for(const std::string& key, bool& opened);
 
   boost::asio::io_context& io_;
   PeerOptions options_;
   engine::Logger& log_;
   /// Copies of large chunks off the event loop (tcp.io_threads > 0). Its
-  /// threads are joined after every link was closed (~PeerManager).
+  /// threads are joined after every link was closed (~Device).
   std::unique_ptr<BulkIo> bulk_;
   boost::asio::ip::tcp::acceptor acceptor_;
   std::optional<Secret> secret_;
@@ -178,9 +178,9 @@ class PeerManager final : private PeerLink::Owner {
   DownHandler down_handler_;
 };
 
-/// The options the profile gives. Reads the test hook
-/// COLLECTIVED_TEST_PEER_VERSION (a protocol version to announce instead of
-/// the real one; tests of the version check only).
+/// The options the profile gives. (Tests of the version check set
+/// `local.protocol_version` to announce another version: collectived
+/// --test-hook peer_version=N.)
 PeerOptions peer_options(const config::Profile& profile, const std::string& daemon_version);
 
 /// tcp.io_threads as it runs on a machine of `cores` cores: at most
@@ -193,6 +193,6 @@ std::uint32_t effective_streams(std::uint32_t configured, std::uint32_t io_threa
 inline constexpr std::uint32_t kAutoStreams = 4;
 
 /// Fills StatusReply.peers.
-void fill_peer_status(const PeerManager& peers, wire::StatusReply::Builder status);
+void fill_peer_status(const Device& peers, wire::StatusReply::Builder status);
 
 }  // namespace collectived::tcp

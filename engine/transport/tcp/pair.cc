@@ -1,4 +1,4 @@
-#include "engine/transport/tcp/peer_link.h"
+#include "engine/transport/tcp/pair.h"
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -35,9 +35,6 @@ constexpr std::uint64_t kSpreadMinBytes = 512 * 1024;
 // frame, unframed (DataChunk.raw), so frames stay small whatever
 // tcp.chunk_bytes is.
 constexpr std::uint64_t kMaxPeerFrame = std::uint64_t{1} << 20;
-// What one read of a stream with copy threads takes at most into its frame
-// decoder (read_next).
-constexpr std::size_t kFrameReadBytes = 8 * 1024;
 
 std::uint64_t steady_ns() {
   return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -55,407 +52,9 @@ std::string ms_text(std::chrono::milliseconds ms) { return std::to_string(ms.cou
 
 }  // namespace
 
-std::string_view to_string(PeerState state) {
-  switch (state) {
-    case PeerState::connecting: return "connecting";
-    case PeerState::ready: return "ready";
-    case PeerState::dead: return "dead";
-  }
-  return "unknown";
-}
+// --- Pair --------------------------------------------------------------------
 
-std::string endpoint_text(const tcp::endpoint& endpoint) {
-  asio::ip::address a = endpoint.address();
-  if (a.is_v6() && a.to_v6().is_v4_mapped()) {
-    a = asio::ip::make_address_v4(asio::ip::v4_mapped, a.to_v6());
-  }
-  const std::string port = std::to_string(endpoint.port());
-  return a.is_v6() ? "[" + a.to_string() + "]:" + port : a.to_string() + ":" + port;
-}
-
-PeerAddress parse_peer_address(const std::string& text) {
-  auto bad = [&](const std::string& why) -> Error {
-    return Error(Code::invalid_argument, "bad peer address \"" + text + "\": " + why +
-                                             " (expected host:port, or [IPv6]:port)");
-  };
-  PeerAddress out;
-  std::string port;
-  if (!text.empty() && text.front() == '[') {
-    const auto close = text.find(']');
-    if (close == std::string::npos || close + 1 >= text.size() || text[close + 1] != ':') {
-      throw bad("no ]:port after the IPv6 address");
-    }
-    out.host = text.substr(1, close - 1);
-    port = text.substr(close + 2);
-  } else {
-    const auto colon = text.rfind(':');
-    if (colon == std::string::npos) throw bad("no port");
-    out.host = text.substr(0, colon);
-    port = text.substr(colon + 1);
-    if (out.host.find(':') != std::string::npos) throw bad("an IPv6 address needs brackets");
-  }
-  if (out.host.empty()) throw bad("no host");
-  if (port.empty() || port.size() > 5 ||
-      !std::all_of(port.begin(), port.end(), [](unsigned char c) { return std::isdigit(c); })) {
-    throw bad("the port is not a number");
-  }
-  const unsigned long p = std::stoul(port);
-  if (p == 0 || p > 65535) throw bad("the port is not in 1..65535");
-  out.port = static_cast<std::uint16_t>(p);
-  boost::system::error_code ec;
-  const auto ip = asio::ip::make_address(out.host, ec);
-  if (!ec) {
-    out.key = endpoint_text(tcp::endpoint(ip, out.port));
-    out.host = ip.to_string();
-  } else {
-    for (char& c : out.host) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    if (out.host.size() > 253) throw bad("the host name is too long");
-    out.key = out.host + ":" + port;
-  }
-  return out;
-}
-
-// --- Socket options -------------------------------------------------------------
-
-std::string set_congestion_control(int fd, const std::string& congestion) {
-  if (congestion.empty()) return {};
-  // Per socket, so that the system's default (which may pace: bbr) does not
-  // apply to the peer links; see tcp.congestion_control in the profile.
-  if (::setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, congestion.data(),
-                   static_cast<socklen_t>(congestion.size())) != 0) {
-    return std::strerror(errno);
-  }
-  return {};
-}
-
-std::string congestion_control_of(int fd) {
-  char name[16] = {};
-  socklen_t len = sizeof name;
-  if (::getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, &len) != 0) return {};
-  return std::string(name, strnlen(name, std::min<std::size_t>(len, sizeof name)));
-}
-
-// --- PeerStream ------------------------------------------------------------------
-
-PeerStream::PeerStream(tcp::socket socket, std::uint64_t max_frame_bytes)
-    : socket_(std::move(socket)),
-      decoder_(ipc::Limits::for_max_frame(max_frame_bytes)),
-      close_timer_(socket_.get_executor()),
-      last_received_(PeerClock::now()),
-      last_answer_(last_received_) {
-  boost::system::error_code ec;
-  const auto remote = socket_.remote_endpoint(ec);
-  if (!ec) remote_text_ = endpoint_text(remote);
-  const auto local = socket_.local_endpoint(ec);
-  if (!ec) local_text_ = endpoint_text(local);
-}
-
-namespace {
-/// A BulkIo result as the error code Asio would have given.
-boost::system::error_code bulk_error(int err) {
-  if (err == 0) return {};
-  if (err < 0) return asio::error::eof;
-  return boost::system::error_code(err, boost::system::system_category());
-}
-
-// Asio's transfer_all() moves at most 64 KiB per system call (its default
-// maximum transfer size): a 1 MiB chunk then costs 16 sendmsg or recv calls
-// and as many trips through the reactor.
-// Whole pieces let the kernel take, in one call, what its socket buffer holds.
-struct TransferAllLarge {
-  std::size_t operator()(const boost::system::error_code& ec, std::size_t /*done*/) const {
-    return ec ? 0 : std::size_t{1} << 30;
-  }
-};
-}  // namespace
-
-void PeerStream::start() { read_next(); }
-
-bool PeerStream::set_max_frame(std::uint64_t max_frame_bytes) {
-  // Only between frames, and only from inside a message handler, when no read
-  // is in progress (the read targets the decoder's buffer).
-  if (decoder_.buffered_bytes() != 0) return false;
-  decoder_ = ipc::FrameDecoder(ipc::Limits::for_max_frame(max_frame_bytes));
-  return true;
-}
-
-void PeerStream::read_next() {
-  // With copy threads, frames are read in small slices: a chunk's raw bytes
-  // follow its frame, and whatever of them a read takes into the decoder is
-  // copied again from there (drain) on this thread, one chunk after the
-  // other, before a copy thread takes the rest: with 64 KiB reads, half of
-  // every 128 KiB piece of a message spread over the streams passed through
-  // the event loop twice. Reading kFrameReadBytes, the raw bytes go from the
-  // socket straight to where they belong. Without copy threads this thread
-  // copies every byte anyway, and the larger read is the faster one.
-  auto space = decoder_.read_space();
-  if (bulk_ != nullptr && space.size() > kFrameReadBytes) space = space.first(kFrameReadBytes);
-  socket_.async_read_some(asio::buffer(space.data(), space.size()),
-                          [self = shared_from_this()](const boost::system::error_code& ec,
-                                                      std::size_t n) { self->on_read(ec, n); });
-}
-
-bool PeerStream::read_done(const boost::system::error_code& ec, std::size_t n) {
-  if (closed_) {
-    // A raw read ended by the close: its buffers (and a placement's hold on
-    // the receiver's memory) go now, not with the stream object.
-    raw_ = Raw{};
-    return false;
-  }
-  if (ec) {
-    fail(Code::unavailable, ec == asio::error::eof || ec == asio::error::connection_reset
-                                ? "the connection was closed by the other side"
-                                : "read failed: " + ec.message(),
-         false);
-    return false;
-  }
-  bytes_received_ += n;
-  last_received_ = PeerClock::now();
-  return true;
-}
-
-void PeerStream::on_read(const boost::system::error_code& ec, std::size_t n) {
-  if (!read_done(ec, n)) return;
-  decoder_.commit(n);
-  drain();
-}
-
-void PeerStream::drain() {
-  try {
-    while (!closed_) {
-      if (raw_.done) {
-        // Raw chunk bytes: what the decoder read already, then the rest
-        // straight from the socket into the reassembly buffer.
-        const std::size_t got = decoder_.take({raw_.dest, static_cast<std::size_t>(raw_.remaining)});
-        raw_.dest += got;
-        raw_.remaining -= got;
-        if (raw_.remaining > 0) {
-          auto self = shared_from_this();
-          if (bulk_ != nullptr && raw_.offload && raw_.remaining >= BulkIo::kMinBytes) {
-            ++bulk_busy_;
-            bulk_->read(socket_.native_handle(), raw_.dest, raw_.remaining,
-                        [self, ex = socket_.get_executor()](int err, std::size_t n) {
-                          asio::post(ex, [self, err, n] {
-                            self->bulk_finished();
-                            self->on_raw_read(bulk_error(err), n);
-                          });
-                        });
-            return;
-          }
-          asio::async_read(socket_, asio::buffer(raw_.dest, raw_.remaining), TransferAllLarge{},
-                           [self](const boost::system::error_code& ec, std::size_t n) {
-                             self->on_raw_read(ec, n);
-                           });
-          return;
-        }
-        finish_raw();
-        continue;
-      }
-      auto frame = decoder_.next();
-      if (!frame) break;
-      auto sink = sink_.lock();
-      if (!sink) {
-        close();
-        return;
-      }
-      ipc::with_protocol_checks("peer message", [&] {
-        sink->on_stream_message(*this, frame->root<peerwire::PeerMessage>());
-      });
-    }
-  } catch (const Error& e) {
-    // Bad framing or a message that breaks the protocol: the stream cannot be
-    // trusted any more. The other side learns why.
-    fail(e.code() == Code::ok ? Code::protocol : e.code(), e.what(), true);
-    return;
-  }
-  if (!closed_) read_next();
-}
-
-void PeerStream::on_raw_read(const boost::system::error_code& ec, std::size_t n) {
-  if (!read_done(ec, n)) return;
-  raw_.remaining = 0;
-  drain();
-}
-
-void PeerStream::bulk_finished() {
-  if (--bulk_busy_ == 0 && closed_) {
-    boost::system::error_code ignored;
-    socket_.close(ignored);
-  }
-}
-
-void PeerStream::expect_raw(std::byte* dest, std::uint64_t bytes, std::shared_ptr<void> owner,
-                            std::function<void()> done, bool offload) {
-  // drain() reads them (and calls `done`) before it decodes another frame.
-  raw_ = Raw{dest, bytes, std::move(owner), std::move(done), offload};
-}
-
-void PeerStream::finish_raw() {
-  Raw r = std::move(raw_);
-  raw_ = Raw{};
-  if (r.done) r.done();
-}
-
-void PeerStream::send_frame(std::vector<std::byte> frame) {
-  if (closed_ || closing_) return;
-  control_.push_back(std::move(frame));
-  if (!writing_) write_next();
-}
-
-void PeerStream::send_chunk(Chunk chunk) {
-  if (closed_ || closing_) return;
-  data_.push_back(std::move(chunk));
-  if (!writing_) write_next();
-}
-
-void PeerStream::write_next() {
-  if (closed_) return;
-  std::vector<asio::const_buffer> buffers;
-  current_message_.reset();
-  current_written_ = nullptr;
-  if (!control_.empty()) {
-    current_frame_ = std::move(control_.front());
-    control_.pop_front();
-    buffers.push_back(asio::buffer(current_frame_));
-  } else if (!data_.empty()) {
-    Chunk c = std::move(data_.front());
-    data_.pop_front();
-    // A small frame describing the chunk, then its bytes in place: one
-    // gathered write, no copy.
-    capnp::MallocMessageBuilder b(ipc::kSmallMessageWords);
-    auto d = b.initRoot<peerwire::PeerMessage>().initData();
-    d.setChannel(c.channel);
-    d.setSeq(c.seq);
-    d.setOffset(c.offset);
-    const auto& head = c.message->head;
-    if (c.head_in_frame) {
-      d.setTotal(c.message->size() - head.size());
-      d.setHead(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(head.data()), head.size()));
-    } else {
-      d.setTotal(c.message->size());
-    }
-    d.setRaw(c.length);
-    d.setStreaming(c.offload);
-    current_frame_ = ipc::encode_frame(b);
-    buffers.push_back(asio::buffer(current_frame_));
-    // The bytes [offset, offset + length) of head ++ payload (of the payload
-    // alone when the head is in the frame).
-    std::uint64_t pos = 0;
-    const std::uint64_t from = c.offset, to = c.offset + c.length;
-    auto add = [&](std::span<const std::byte> piece) {
-      const std::uint64_t a = std::max(from, pos), e = std::min(to, pos + piece.size());
-      if (a < e) buffers.push_back(asio::buffer(piece.data() + (a - pos), e - a));
-      pos += piece.size();
-    };
-    if (!c.head_in_frame) add(head);
-    for (const auto& piece : c.message->payload) {
-      if (pos >= to) break;
-      add(piece);
-    }
-    current_message_ = std::move(c.message);
-    current_offload_ = c.offload;
-    current_written_ = std::move(c.written);
-  } else {
-    writing_ = false;
-    if (closing_) close();
-    return;
-  }
-  writing_ = true;
-  auto self = shared_from_this();
-  if (bulk_ != nullptr && current_message_ && current_offload_ &&
-      asio::buffer_size(buffers) >= BulkIo::kMinBytes) {
-    std::vector<iovec> iov;
-    iov.reserve(buffers.size());
-    for (const auto& b : buffers) iov.push_back(iovec{const_cast<void*>(b.data()), b.size()});
-    ++bulk_busy_;
-    bulk_->write(socket_.native_handle(), std::move(iov),
-                 [self, ex = socket_.get_executor()](int err, std::size_t n) {
-                   asio::post(ex, [self, err, n] {
-                     self->bulk_finished();
-                     self->on_written(bulk_error(err), n);
-                   });
-                 });
-    return;
-  }
-  asio::async_write(socket_, buffers, TransferAllLarge{},
-                    [self](const boost::system::error_code& ec, std::size_t n) {
-                      self->on_written(ec, n);
-                    });
-}
-
-void PeerStream::on_written(const boost::system::error_code& ec, std::size_t n) {
-  if (closed_) return;
-  if (ec) {
-    fail(Code::unavailable, "write failed: " + ec.message(), false);
-    return;
-  }
-  bytes_sent_ += n;
-  current_message_.reset();
-  if (auto written = std::move(current_written_)) {
-    current_written_ = nullptr;
-    written();
-  }
-  write_next();
-}
-
-void PeerStream::close_after(std::vector<std::byte> last) {
-  if (closed_ || closing_) return;
-  data_.clear();
-  if (!writing_ && control_.empty()) {
-    // Idle: try at once, so that the frame leaves even if the event loop
-    // stops right after (daemon shutdown).
-    const ssize_t n = ::send(socket_.native_handle(), last.data(), last.size(),
-                             MSG_DONTWAIT | MSG_NOSIGNAL);
-    if (n == static_cast<ssize_t>(last.size())) {
-      bytes_sent_ += last.size();
-      close();
-      return;
-    }
-    if (n > 0) {
-      bytes_sent_ += static_cast<std::uint64_t>(n);
-      last.erase(last.begin(), last.begin() + n);
-    }
-  }
-  control_.push_back(std::move(last));
-  closing_ = true;
-  close_timer_.expires_after(std::chrono::seconds(1));
-  close_timer_.async_wait([self = shared_from_this()](const boost::system::error_code& ec) {
-    if (!ec) self->close();
-  });
-  if (!writing_) write_next();
-}
-
-void PeerStream::close() {
-  if (closed_) return;
-  closed_ = true;
-  writing_ = false;
-  boost::system::error_code ignored;
-  socket_.shutdown(tcp::socket::shutdown_both, ignored);
-  // A transfer on a bulk thread ends on the shutdown; the descriptor is
-  // closed once it has (bulk_finished), never under it.
-  if (bulk_busy_ == 0) socket_.close(ignored);
-  close_timer_.cancel();
-  control_.clear();
-  data_.clear();
-  current_written_ = nullptr;
-  // A pending raw read is cancelled with the socket; its handler only sees
-  // closed_. Its buffer stays alive (owner) until then.
-}
-
-void PeerStream::fail(Code code, const std::string& why, bool tell_peer) {
-  if (closed_) return;
-  auto self = shared_from_this();
-  if (tell_peer) {
-    close_after(encode_peer_error(code, why));
-  } else {
-    close();
-  }
-  if (auto sink = sink_.lock()) sink->on_stream_closed(*this, code, why);
-}
-
-// --- PeerLink --------------------------------------------------------------------
-
-PeerLink::PeerLink(asio::io_context& io, const PeerOptions& options, const Secret& secret,
+Pair::Pair(asio::io_context& io, const PeerOptions& options, const Secret& secret,
                    Owner& owner, std::string key, bool outbound, std::string known_node)
     : io_(io),
       options_(options),
@@ -468,19 +67,19 @@ PeerLink::PeerLink(asio::io_context& io, const PeerOptions& options, const Secre
       connect_timer_(io),
       heartbeat_timer_(io) {}
 
-PeerLink::~PeerLink() {
+Pair::~Pair() {
   for (auto& s : streams_) {
     if (s) s->close();
   }
 }
 
-std::string PeerLink::describe() const {
+std::string Pair::describe() const {
   return node_.empty() ? "the peer daemon at " + key_ : "node " + node_ + " (" + key_ + ")";
 }
 
-std::uint64_t PeerLink::max_frame() const { return kMaxPeerFrame; }
+std::uint64_t Pair::max_frame() const { return kMaxPeerFrame; }
 
-std::uint64_t PeerLink::bytes_sent() const {
+std::uint64_t Pair::bytes_sent() const {
   std::uint64_t n = 0;
   for (const auto& s : streams_) {
     if (s) n += s->bytes_sent();
@@ -488,7 +87,7 @@ std::uint64_t PeerLink::bytes_sent() const {
   return n;
 }
 
-std::uint64_t PeerLink::bytes_received() const {
+std::uint64_t Pair::bytes_received() const {
   std::uint64_t n = 0;
   for (const auto& s : streams_) {
     if (s) n += s->bytes_received();
@@ -496,8 +95,8 @@ std::uint64_t PeerLink::bytes_received() const {
   return n;
 }
 
-void PeerLink::arm_connect_deadline(std::string (*why)(const PeerLink&)) {
-  std::weak_ptr<PeerLink> weak = shared_from_this();
+void Pair::arm_connect_deadline(std::string (*why)(const Pair&)) {
+  std::weak_ptr<Pair> weak = shared_from_this();
   connect_timer_.expires_after(options_.connect_deadline);
   connect_timer_.async_wait([weak, why](const boost::system::error_code& ec) {
     auto self = weak.lock();
@@ -506,13 +105,13 @@ void PeerLink::arm_connect_deadline(std::string (*why)(const PeerLink&)) {
   });
 }
 
-void PeerLink::connect() {
+void Pair::connect() {
   connection_id_ = random_u64();
   streams_wanted_ = std::max<std::uint32_t>(1, options_.streams_per_peer);
   streams_.resize(streams_wanted_);
   handshakes_.resize(streams_wanted_);
   // Dialing side: how far the connection got when the deadline passed.
-  arm_connect_deadline([](const PeerLink& self) {
+  arm_connect_deadline([](const Pair& self) {
     return "no connection to " + self.describe() + " within " +
            ms_text(self.options_.connect_deadline) + " (deadlines.connect_ms): " +
            (self.streams_ready_ == 0 ? std::string("the daemon did not answer")
@@ -520,7 +119,7 @@ void PeerLink::connect() {
                                            std::to_string(self.streams_wanted_) +
                                            " streams were ready");
   });
-  std::weak_ptr<PeerLink> weak = shared_from_this();
+  std::weak_ptr<Pair> weak = shared_from_this();
   PeerAddress address;
   try {
     address = parse_peer_address(key_);
@@ -558,8 +157,8 @@ void PeerLink::connect() {
       });
 }
 
-void PeerLink::open_stream(std::uint32_t index, const tcp::endpoint& endpoint) {
-  std::weak_ptr<PeerLink> weak = shared_from_this();
+void Pair::open_stream(std::uint32_t index, const tcp::endpoint& endpoint) {
+  std::weak_ptr<Pair> weak = shared_from_this();
   auto socket = std::make_shared<tcp::socket>(io_);
   boost::system::error_code ec;
   socket->open(endpoint.protocol(), ec);
@@ -603,7 +202,7 @@ void PeerLink::open_stream(std::uint32_t index, const tcp::endpoint& endpoint) {
   });
 }
 
-void PeerLink::start_stream(std::uint32_t index, tcp::socket socket) {
+void Pair::start_stream(std::uint32_t index, tcp::socket socket) {
   boost::system::error_code ignored;
   socket.set_option(tcp::no_delay(true), ignored);
   auto stream = std::make_shared<PeerStream>(std::move(socket), max_frame());
@@ -623,7 +222,7 @@ void PeerLink::start_stream(std::uint32_t index, tcp::socket socket) {
   for (auto& frame : handshakes_[index]->start()) stream->send_frame(std::move(frame));
 }
 
-void PeerLink::on_handshake_message(PeerStream& stream, Handshake& hs,
+void Pair::on_handshake_message(PeerStream& stream, Handshake& hs,
                                     peerwire::PeerMessage::Reader message) {
   auto frames = hs.on_message(message);
   if (hs.state() == Handshake::State::failed) {
@@ -652,7 +251,7 @@ void PeerLink::on_handshake_message(PeerStream& stream, Handshake& hs,
   if (++streams_ready_ == streams_wanted_) become_ready();
 }
 
-void PeerLink::attach(std::shared_ptr<PeerStream> stream, const Handshake& hs) {
+void Pair::attach(std::shared_ptr<PeerStream> stream, const Handshake& hs) {
   if (state_ == PeerState::dead) {
     stream->close();
     return;
@@ -664,7 +263,7 @@ void PeerLink::attach(std::shared_ptr<PeerStream> stream, const Handshake& hs) {
     remote_ = hs.remote();
     node_ = remote_.node;
     // Accepting side: the initiator's other streams must follow in time.
-    arm_connect_deadline([](const PeerLink& self) {
+    arm_connect_deadline([](const Pair& self) {
       return "only " + std::to_string(self.streams_ready_) + " of " +
              std::to_string(self.streams_wanted_) + " streams of " + self.describe() +
              " arrived within " + ms_text(self.options_.connect_deadline) +
@@ -688,7 +287,7 @@ void PeerLink::attach(std::shared_ptr<PeerStream> stream, const Handshake& hs) {
   if (++streams_ready_ == streams_wanted_) become_ready();
 }
 
-void PeerLink::become_ready() {
+void Pair::become_ready() {
   auto self = shared_from_this();
   state_ = PeerState::ready;
   connect_timer_.cancel();
@@ -710,7 +309,7 @@ void PeerLink::become_ready() {
   }
 }
 
-void PeerLink::on_stream_message(PeerStream& stream, peerwire::PeerMessage::Reader m) {
+void Pair::on_stream_message(PeerStream& stream, peerwire::PeerMessage::Reader m) {
   if (state_ == PeerState::dead) return;
   if (stream.index < handshakes_.size() && handshakes_[stream.index] &&
       handshakes_[stream.index]->state() == Handshake::State::in_progress) {
@@ -742,7 +341,7 @@ void PeerLink::on_stream_message(PeerStream& stream, peerwire::PeerMessage::Read
   }
 }
 
-void PeerLink::on_stream_closed(PeerStream& stream, Code code, const std::string& why) {
+void Pair::on_stream_closed(PeerStream& stream, Code code, const std::string& why) {
   if (state_ == PeerState::dead) return;
   fail(code,
        describe() + ": " + why + " (stream " + std::to_string(stream.index) +
@@ -750,11 +349,11 @@ void PeerLink::on_stream_closed(PeerStream& stream, Code code, const std::string
        false, true);
 }
 
-void PeerLink::close(Code code, const std::string& why, bool tell_peer) {
+void Pair::close(Code code, const std::string& why, bool tell_peer) {
   fail(code, why, false, tell_peer);
 }
 
-void PeerLink::fail(Code code, const std::string& why, bool refused, bool tell_peer) {
+void Pair::fail(Code code, const std::string& why, bool refused, bool tell_peer) {
   if (state_ == PeerState::dead) return;
   auto self = shared_from_this();
   const PeerState was = state_;
@@ -800,7 +399,7 @@ void PeerLink::fail(Code code, const std::string& why, bool refused, bool tell_p
 
 // --- Heartbeats and pings ---------------------------------------------------------
 
-std::vector<std::byte> PeerLink::heartbeat_frame(std::uint64_t seq) const {
+std::vector<std::byte> Pair::heartbeat_frame(std::uint64_t seq) const {
   capnp::MallocMessageBuilder b(64);
   auto h = b.initRoot<peerwire::PeerMessage>().initHeartbeat();
   h.setSeq(seq);
@@ -809,8 +408,8 @@ std::vector<std::byte> PeerLink::heartbeat_frame(std::uint64_t seq) const {
   return ipc::encode_frame(b);
 }
 
-void PeerLink::arm_heartbeat() {
-  std::weak_ptr<PeerLink> weak = shared_from_this();
+void Pair::arm_heartbeat() {
+  std::weak_ptr<Pair> weak = shared_from_this();
   heartbeat_timer_.expires_after(options_.heartbeat_interval);
   heartbeat_timer_.async_wait([weak](const boost::system::error_code& ec) {
     auto self = weak.lock();
@@ -819,7 +418,7 @@ void PeerLink::arm_heartbeat() {
   });
 }
 
-void PeerLink::heartbeat_tick() {
+void Pair::heartbeat_tick() {
   // A stream whose heartbeats went unanswered for three intervals means the
   // peer is gone, stuck, or no longer reading (its own heartbeats arriving do
   // not count: a daemon that stopped reading would otherwise block our writes
@@ -842,7 +441,7 @@ void PeerLink::heartbeat_tick() {
   arm_heartbeat();
 }
 
-void PeerLink::on_heartbeat(PeerStream& stream, peerwire::Heartbeat::Reader hb) {
+void Pair::on_heartbeat(PeerStream& stream, peerwire::Heartbeat::Reader hb) {
   capnp::MallocMessageBuilder b(64);
   auto a = b.initRoot<peerwire::PeerMessage>().initHeartbeatAck();
   a.setSeq(hb.getSeq());
@@ -851,7 +450,7 @@ void PeerLink::on_heartbeat(PeerStream& stream, peerwire::Heartbeat::Reader hb) 
   stream.send_frame(ipc::encode_frame(b));
 }
 
-void PeerLink::on_heartbeat_ack(PeerStream& stream, peerwire::HeartbeatAck::Reader ack) {
+void Pair::on_heartbeat_ack(PeerStream& stream, peerwire::HeartbeatAck::Reader ack) {
   stream.answered();
   const std::uint64_t now = steady_ns();
   const std::uint64_t sent = ack.getEchoSentNs();
@@ -875,7 +474,7 @@ void PeerLink::on_heartbeat_ack(PeerStream& stream, peerwire::HeartbeatAck::Read
   if (done) done(reply);
 }
 
-void PeerLink::ping(PeerClock::time_point deadline, PingDone done) {
+void Pair::ping(PeerClock::time_point deadline, PingDone done) {
   if (state_ == PeerState::dead) {
     PingReply reply;
     reply.result = {dead_code_, dead_reason_};
@@ -888,7 +487,7 @@ void PeerLink::ping(PeerClock::time_point deadline, PingDone done) {
   p.done = std::move(done);
   p.timer = std::make_unique<asio::steady_timer>(io_);
   p.timer->expires_at(deadline);
-  std::weak_ptr<PeerLink> weak = shared_from_this();
+  std::weak_ptr<Pair> weak = shared_from_this();
   const auto allowed = std::chrono::duration_cast<std::chrono::milliseconds>(
       deadline - PeerClock::now());
   p.timer->async_wait([weak, seq, allowed](const boost::system::error_code& ec) {
@@ -909,14 +508,14 @@ void PeerLink::ping(PeerClock::time_point deadline, PingDone done) {
   if (state_ == PeerState::ready) send_ping(seq);
 }
 
-void PeerLink::send_ping(std::uint64_t seq) {
+void Pair::send_ping(std::uint64_t seq) {
   pings_[seq].sent = true;
   streams_[0]->send_frame(heartbeat_frame(seq));
 }
 
 // --- Data --------------------------------------------------------------------------
 
-void PeerLink::send(std::uint64_t channel, std::shared_ptr<const engine::OutMessage> message,
+void Pair::send(std::uint64_t channel, std::shared_ptr<const engine::OutMessage> message,
                     SendDone done) {
   if (state_ == PeerState::dead) {
     const PeerResult r{dead_code_, dead_reason_};
@@ -932,7 +531,7 @@ void PeerLink::send(std::uint64_t channel, std::shared_ptr<const engine::OutMess
   start_send(channel, std::move(message), std::move(done));
 }
 
-void PeerLink::start_send(std::uint64_t channel,
+void Pair::start_send(std::uint64_t channel,
                           std::shared_ptr<const engine::OutMessage> message, SendDone done) {
   const std::uint64_t total = message->size();
   if (total > kMaxMessageBytes) {
@@ -968,7 +567,7 @@ void PeerLink::start_send(std::uint64_t channel,
   const std::uint64_t seq = send_seq_[channel]++;
   const std::uint64_t id = next_send_id_++;
   in_flight_[id] = InFlight{static_cast<std::size_t>(chunks), std::move(done)};
-  std::weak_ptr<PeerLink> weak = shared_from_this();
+  std::weak_ptr<Pair> weak = shared_from_this();
   // The copy threads start once every chunk is handed over (BulkIo::Batch).
   std::optional<BulkIo::Batch> batch;
   if (options_.bulk != nullptr && chunks > 1) batch.emplace(*options_.bulk);
@@ -996,7 +595,7 @@ void PeerLink::start_send(std::uint64_t channel,
   }
 }
 
-void PeerLink::on_data(PeerStream& stream, peerwire::DataChunk::Reader chunk) {
+void Pair::on_data(PeerStream& stream, peerwire::DataChunk::Reader chunk) {
   const std::uint64_t channel = chunk.getChannel();
   const std::uint64_t seq = chunk.getSeq();
   const std::uint64_t offset = chunk.getOffset();
@@ -1070,7 +669,7 @@ void PeerLink::on_data(PeerStream& stream, peerwire::DataChunk::Reader chunk) {
   chunks.emplace_hint(after, offset, offset + raw);
   std::byte* dest = p.buf->place.dest != nullptr ? p.buf->place.dest + offset
                                                   : p.buf->bytes.data() + p.head + offset;
-  std::weak_ptr<PeerLink> weak = shared_from_this();
+  std::weak_ptr<Pair> weak = shared_from_this();
   // Copied on a bulk thread only while the sender streams data (it says so:
   // a message of several chunks, or more messages queued behind this one):
   // a lone chunk is read sooner on the event loop than handed over and back.
@@ -1080,7 +679,7 @@ void PeerLink::on_data(PeerStream& stream, peerwire::DataChunk::Reader chunk) {
   }, offload);
 }
 
-void PeerLink::on_raw_done(std::pair<std::uint64_t, std::uint64_t> key, std::uint64_t bytes) {
+void Pair::on_raw_done(std::pair<std::uint64_t, std::uint64_t> key, std::uint64_t bytes) {
   const auto it = partial_.find(key);
   if (it == partial_.end()) return;  // the link failed meanwhile
   it->second.received += bytes;
@@ -1093,7 +692,7 @@ void PeerLink::on_raw_done(std::pair<std::uint64_t, std::uint64_t> key, std::uin
   complete(key, std::move(whole));
 }
 
-void PeerLink::complete(std::pair<std::uint64_t, std::uint64_t> key, engine::MessageBytes whole) {
+void Pair::complete(std::pair<std::uint64_t, std::uint64_t> key, engine::MessageBytes whole) {
   const auto [channel, seq] = key;
   const std::uint64_t next = recv_next_[channel];
   if (seq != next) {
@@ -1112,7 +711,7 @@ void PeerLink::complete(std::pair<std::uint64_t, std::uint64_t> key, engine::Mes
   deliver_in_order(channel);
 }
 
-void PeerLink::deliver_in_order(std::uint64_t channel) {
+void Pair::deliver_in_order(std::uint64_t channel) {
   while (state_ != PeerState::dead) {
     const std::uint64_t next = recv_next_[channel];
     const auto it = early_.find({channel, next});

@@ -1,4 +1,4 @@
-#include "engine/transport/verbs/verbs_node_transport.h"
+#include "engine/transport/verbs/node_transport.h"
 
 #include <algorithm>
 #include <condition_variable>
@@ -30,7 +30,7 @@ struct RegionState {
 }  // namespace
 
 // The connection to one peer: a pair per rail (HCA).
-struct VerbsNodeTransport::Rails {
+struct NodeTransport::Rails {
   std::vector<std::shared_ptr<Pair>> pairs;
 
   const std::string& peer() const { return pairs.front()->peer(); }
@@ -71,7 +71,7 @@ struct VerbsNodeTransport::Rails {
 // What the receivers of one connection (one thread per rail) share: the
 // pieces of a message may arrive on every rail, and whole messages go on in
 // the order they were sent.
-struct VerbsNodeTransport::Reassembly {
+struct NodeTransport::Reassembly {
   struct Partial {
     engine::MessageBytes data;
     std::uint64_t got = 0;
@@ -84,14 +84,14 @@ struct VerbsNodeTransport::Reassembly {
 
 namespace {
 
-std::string rails_error(const VerbsNodeTransport::Rails& r) {
+std::string rails_error(const NodeTransport::Rails& r) {
   const std::string e = r.error();
   return e.empty() ? "verbs connection to node " + r.peer() + " closed" : e;
 }
 
 }  // namespace
 
-struct VerbsNodeTransport::Peer {
+struct NodeTransport::Peer {
   std::string address;
   mutable std::mutex mu;
   std::condition_variable cv;
@@ -115,7 +115,7 @@ struct VerbsNodeTransport::Peer {
   std::mutex install_mu;
 };
 
-VerbsNodeTransport::VerbsNodeTransport(std::vector<Device*> devices, Connector connector,
+NodeTransport::NodeTransport(std::vector<Device*> devices, Connector connector,
                                        Deliver deliver, Down down, Clock::duration send_deadline)
     : devices_(std::move(devices)),
       connector_(std::move(connector)),
@@ -125,7 +125,7 @@ VerbsNodeTransport::VerbsNodeTransport(std::vector<Device*> devices, Connector c
   if (devices_.empty()) throw Error(Code::invalid_argument, "verbs transport without a device");
 }
 
-VerbsNodeTransport::~VerbsNodeTransport() {
+NodeTransport::~NodeTransport() {
   std::map<std::string, std::shared_ptr<Peer>> peers;
   {
     std::lock_guard lock(mu_);
@@ -154,7 +154,7 @@ VerbsNodeTransport::~VerbsNodeTransport() {
   }
 }
 
-bool VerbsNodeTransport::connected(const std::string& address) const {
+bool NodeTransport::connected(const std::string& address) const {
   std::shared_ptr<Peer> p;
   {
     std::lock_guard lock(mu_);
@@ -166,7 +166,7 @@ bool VerbsNodeTransport::connected(const std::string& address) const {
   return p->pair && p->pair->healthy();
 }
 
-std::shared_ptr<VerbsNodeTransport::Peer> VerbsNodeTransport::peer_for(const std::string& address) {
+std::shared_ptr<NodeTransport::Peer> NodeTransport::peer_for(const std::string& address) {
   std::lock_guard lock(mu_);
   auto& slot = peers_[address];
   if (!slot) {
@@ -178,13 +178,13 @@ std::shared_ptr<VerbsNodeTransport::Peer> VerbsNodeTransport::peer_for(const std
   return slot;
 }
 
-void VerbsNodeTransport::add_pair(const std::string& address, std::unique_ptr<Pair> pair) {
+void NodeTransport::add_pair(const std::string& address, std::unique_ptr<Pair> pair) {
   std::vector<std::unique_ptr<Pair>> rails;
   rails.push_back(std::move(pair));
   add_rails(address, std::move(rails));
 }
 
-void VerbsNodeTransport::add_rails(const std::string& address,
+void NodeTransport::add_rails(const std::string& address,
                                    std::vector<std::unique_ptr<Pair>> rails) {
   if (rails.empty() || rails.size() > devices_.size()) {
     throw Error(Code::invalid_argument, "verbs connection to " + address + " with " +
@@ -196,7 +196,7 @@ void VerbsNodeTransport::add_rails(const std::string& address,
   install(*peer_for(address), std::move(r));
 }
 
-void VerbsNodeTransport::install(Peer& p, std::shared_ptr<Rails> sp) {
+void NodeTransport::install(Peer& p, std::shared_ptr<Rails> sp) {
   std::lock_guard installing(p.install_mu);
   // First the old connection goes, and with it the messages still in flight
   // on it: writes whose `done` was answered when they were posted, and pieces
@@ -254,7 +254,7 @@ void VerbsNodeTransport::install(Peer& p, std::shared_ptr<Rails> sp) {
   p.cv.notify_all();
 }
 
-void VerbsNodeTransport::receive_loop(Peer& p, std::shared_ptr<Rails> rails, std::size_t rail,
+void NodeTransport::receive_loop(Peer& p, std::shared_ptr<Rails> rails, std::size_t rail,
                                       std::shared_ptr<Reassembly> ra,
                                       std::shared_ptr<std::atomic<bool>> retired) {
   const std::shared_ptr<Pair>& sp = rails->pairs[rail];
@@ -298,7 +298,7 @@ void VerbsNodeTransport::receive_loop(Peer& p, std::shared_ptr<Rails> rails, std
   }
 }
 
-void VerbsNodeTransport::fail_pair(const std::string& address, const std::string& why) {
+void NodeTransport::fail_pair(const std::string& address, const std::string& why) {
   std::shared_ptr<Peer> p;
   {
     std::lock_guard lock(mu_);
@@ -314,7 +314,7 @@ void VerbsNodeTransport::fail_pair(const std::string& address, const std::string
   if (pair && pair->healthy()) pair->fail(why);
 }
 
-void VerbsNodeTransport::sender_loop(Peer& p) {
+void NodeTransport::sender_loop(Peer& p) {
   // The writes of one message, kept until their local completions return
   // `staging` to the spares of its rail. A message copied whole into
   // `staging` had its `done` answered when it was posted (the caller's bytes
@@ -617,7 +617,7 @@ void VerbsNodeTransport::sender_loop(Peer& p) {
   while (!in_flight.empty()) complete_oldest();
 }
 
-std::vector<VerbsNodeTransport::Item> VerbsNodeTransport::take_queued(const std::string& address) {
+std::vector<NodeTransport::Item> NodeTransport::take_queued(const std::string& address) {
   std::shared_ptr<Peer> p;
   {
     std::lock_guard lock(mu_);
@@ -634,7 +634,7 @@ std::vector<VerbsNodeTransport::Item> VerbsNodeTransport::take_queued(const std:
   return items;
 }
 
-void VerbsNodeTransport::send(const std::string& address, engine::OutMessage message,
+void NodeTransport::send(const std::string& address, engine::OutMessage message,
                               Done done) {
   std::shared_ptr<Peer> p = peer_for(address);
   {
@@ -644,7 +644,7 @@ void VerbsNodeTransport::send(const std::string& address, engine::OutMessage mes
   p->cv.notify_all();
 }
 
-std::vector<VerbsPeerStatus> VerbsNodeTransport::status() const {
+std::vector<VerbsPeerStatus> NodeTransport::status() const {
   std::vector<std::shared_ptr<Peer>> peers;
   {
     std::lock_guard lock(mu_);
