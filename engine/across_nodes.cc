@@ -148,10 +148,12 @@ void Engine::Impl::send_slot_failed(Locked, Comm& comm, std::uint64_t seq, Code 
 }
 
 NodeRun Engine::Impl::plan_node_run(const Comm& comm, const Desc& desc,
-                                    const NodeAlgorithmOptions& options) {
+                                    const NodeAlgorithmOptions& options,
+                                    AlgorithmOverride forced) {
   const int nodes = static_cast<int>(comm.node_address.size());
   NodeRun run;
   run.plan = node_plan(desc.kind, desc.count, desc.dtype, comm.nranks, nodes, options);
+  run.forced = forced;
   if (!desc.gpu) return run;  // only staging reads its input in pieces (start_gpu_staged)
   // Every rank of this node counts, whatever its memory: the host collective
   // runs over all of them.
@@ -231,7 +233,8 @@ void Engine::Impl::run_across_nodes(const std::shared_ptr<Comm>& cp, std::uint64
     if (!prepare_across(lock.token(), *cp, seq, a)) return;
   }
   exchange_across(cp, seq, a);
-  locked([&](Locked lk, Deliveries& out, Tasks& next) { finish_across(lk, cp, seq, a, out, next); });
+  locked(
+      [&](Locked lk, Deliveries& out, Tasks& next) { finish_across(lk, cp, seq, a, out, next); });
 }
 
 /// Takes what the operation needs from its slot; false: nothing to run.

@@ -74,7 +74,8 @@ class Wire {
       for (Engine* e : others) e->node_down(address, "", "the test cut it");
     });
   }
-  void send(const std::string& from, const std::string& to, OutMessage m, NodeTransport::Done done) {
+  void send(const std::string& from, const std::string& to, OutMessage m,
+            NodeTransport::Done done) {
     auto bytes = std::make_shared<std::vector<std::byte>>(m.flatten());
     post([this, from, to, bytes, done = std::move(done)] {
       Engine* e = nullptr;
@@ -145,8 +146,11 @@ class WireTransport : public NodeTransport {
 /// One node: its daemon's engine, registry and logger.
 struct Node {
   Node(Wire& wire, const std::string& name, const std::string& address)
-      : address(address), transport(wire, address), log(config::LogLevel::error, devnull.get()),
-        registry(RegistryLimits{}), engine(options(name, address), registry, log) {
+      : address(address),
+        transport(wire, address),
+        log(config::LogLevel::error, devnull.get()),
+        registry(RegistryLimits{}),
+        engine(options(name, address), registry, log) {
     engine.set_node_transport(&transport);
     wire.attach(address, &engine);
   }
@@ -169,7 +173,8 @@ struct Node {
 
 /// A rank: a client of one node with a registered buffer.
 struct Rank {
-  Rank(Node& n, std::uint64_t session, std::size_t bytes = std::size_t{2} << 20) : node(n), size(bytes) {
+  Rank(Node& n, std::uint64_t session, std::size_t bytes = std::size_t{2} << 20)
+      : node(n), size(bytes) {
     ref.session = session;
     ref.pid = static_cast<pid_t>(2000 + session);
     ref.sink = sink;
@@ -271,11 +276,13 @@ TEST_CASE("across nodes: an all-reduce gives every rank the sum, in every size c
       for (std::uint64_t i = 0; i < count; ++i) c.ranks[r]->floats()[i] = static_cast<float>(r + 1);
     }
     const std::uint64_t request = 10 + count;
-    for (auto& rk : c.ranks) rk->node.engine.collective(rk->ref, request, rk->comm, all_reduce(count, rk->handle));
+    for (auto& rk : c.ranks)
+      rk->node.engine.collective(rk->ref, request, rk->comm, all_reduce(count, rk->handle));
     for (auto& rk : c.ranks) {
       const Result res = rk->sink->wait(request);
       REQUIRE_MESSAGE(res.code == Code::ok, res.message);
-      for (std::uint64_t i = 0; i < count; ++i) REQUIRE(rk->floats(kRecvAt)[i] == 10.0f);  // 1+2+3+4
+      for (std::uint64_t i = 0; i < count; ++i)
+        REQUIRE(rk->floats(kRecvAt)[i] == 10.0f);  // 1+2+3+4
     }
   }
 }
@@ -379,7 +386,8 @@ TEST_CASE("across nodes: profiles that disagree on the algorithm fail the operat
   c.nodes[0]->engine.set_node_algorithms(direct);
   c.nodes[1]->engine.set_node_algorithms(pairwise);
   c.join({0, 1});
-  for (auto& rk : c.ranks) rk->node.engine.collective(rk->ref, 2, rk->comm, all_reduce(100, rk->handle));
+  for (auto& rk : c.ranks)
+    rk->node.engine.collective(rk->ref, 2, rk->comm, all_reduce(100, rk->handle));
   for (auto& rk : c.ranks) {
     const Result res = rk->sink->wait(2, 3000ms);  // well before the 5 s deadline
     CHECK(res.code == Code::mismatch);

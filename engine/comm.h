@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "engine/node_algorithms.h"
+#include "engine/node_run.h"
 #include "engine/op.h"
 
 namespace collectived::engine {
@@ -67,18 +68,6 @@ struct Part {
   Span send, recv;
   int color = 0, key = 0;  // comm_split
   std::shared_ptr<gpu::RankSync> gpu_sync;  // GPU collectives
-};
-
-/// The facts the runner between nodes needs beyond the plan, derived once
-/// with it (plan_node_run) and carried with the operation.
-struct NodeRun {
-  NodePlan plan;
-  /// A staged GPU operation's local input is read piece by piece
-  /// (reads_input_in_pieces), from `first_read` on (first_input_read): it may
-  /// start before its inputs are all in host memory. Host operations leave
-  /// both unset (nothing stages their input).
-  bool in_pieces = false;
-  std::uint64_t first_read = 0;
 };
 
 /// One sequence number of a communicator.

@@ -4,10 +4,10 @@
 
 namespace collectived::engine {
 
-EngineChannel::EngineChannel(Engine::Impl& impl, std::shared_ptr<Comm> comm, std::uint64_t seq, Desc desc,
-              NodePlan plan, std::chrono::microseconds input_poll, int desc_rank,
-              Clock::time_point deadline, std::string deadline_text,
-              std::chrono::milliseconds budget)
+EngineChannel::EngineChannel(Engine::Impl& impl, std::shared_ptr<Comm> comm, std::uint64_t seq,
+                             Desc desc, NodePlan plan, std::chrono::microseconds input_poll,
+                             int desc_rank, Clock::time_point deadline, std::string deadline_text,
+                             std::chrono::milliseconds budget)
     : I_(impl),
       comm_(std::move(comm)),
       seq_(seq),
@@ -30,8 +30,9 @@ void EngineChannel::keep_alive(std::shared_ptr<const std::vector<Span>> spans) {
   keep_ = std::move(spans);
 }
 
-void EngineChannel::send(int to, std::uint64_t tag, std::span<const std::span<const std::byte>> pieces,
-          std::shared_ptr<const void> owner) {
+void EngineChannel::send(int to, std::uint64_t tag,
+                         std::span<const std::span<const std::byte>> pieces,
+                         std::shared_ptr<const void> owner) {
   capnp::MallocMessageBuilder mb(128);
   auto m = mb.initRoot<nodewire::NodeMessage>();
   m.setFrom(I_.options.rendezvous_address);

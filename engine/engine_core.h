@@ -57,6 +57,8 @@ struct Engine::Impl {
   /// algorithm halfway or race its reads.
   std::shared_ptr<const NodeAlgorithmOptions> algorithms =
       std::make_shared<const NodeAlgorithmOptions>();
+  /// Its collectives.algorithm, parsed once (set_node_algorithms).
+  AlgorithmOverride algorithm_override = AlgorithmOverride::none;
   std::map<std::string, InboxRef> inboxes;  // uid -> inbox and the communicator using it
   std::multimap<std::string, PendingJoin> pending_joins;  // key (id@rendezvous) -> ranks
   std::shared_ptr<NodeRunner> runner = std::make_shared<NodeRunner>();
@@ -166,9 +168,9 @@ struct Engine::Impl {
   void comm_init(const ClientRef& client, std::uint64_t request, const std::string& secret,
                  const std::string& rendezvous, std::uint32_t nranks, std::uint32_t rank);
   /// comm_init of a rank whose rendezvous is at another node's daemon.
-  void forward_join(Locked, const ClientRef& client, std::uint64_t request,
-                    const std::string& key, const std::string& secret,
-                    const std::string& rendezvous, std::uint32_t nranks, std::uint32_t rank);
+  void forward_join(Locked, const ClientRef& client, std::uint64_t request, const std::string& key,
+                    const std::string& secret, const std::string& rendezvous, std::uint32_t nranks,
+                    std::uint32_t rank);
   /// Joins rank `rank` to the rendezvous `key`; an error text when it cannot.
   std::optional<std::pair<Code, std::string>> join_rendezvous(Locked, const std::string& key,
                                                               std::uint32_t nranks,
@@ -214,10 +216,11 @@ struct Engine::Impl {
   /// The plan of an operation across nodes and what its runner needs beyond
   /// it, decided once at submission (Slot::run).
   static NodeRun plan_node_run(const Comm& comm, const Desc& desc,
-                               const NodeAlgorithmOptions& options);
+                               const NodeAlgorithmOptions& options, AlgorithmOverride forced);
   /// Sends `message` to the node at `address`; a failure breaks what spans
   /// that node. `also` (optional) hears the outcome too.
-  void send_node(const std::string& address, OutMessage message, NodeTransport::Done also = nullptr);
+  void send_node(const std::string& address, OutMessage message,
+                 NodeTransport::Done also = nullptr);
   /// Tells the other nodes that this node broke the communicator.
   void send_broken(Locked, Comm& comm, Code code, const std::string& reason, std::uint64_t floor);
   /// Tells the other nodes that `seq` failed here.
@@ -243,16 +246,14 @@ struct Engine::Impl {
 
   void handle_node_message(Locked, const std::string& peer, MessageBytes bytes, Deliveries& out,
                            Tasks& tasks);
-  void on_join(Locked, const std::string& from, nodewire::Join::Reader j,
-               Deliveries& out);
+  void on_join(Locked, const std::string& from, nodewire::Join::Reader j, Deliveries& out);
   void on_join_reply(Locked, const std::string& from, nodewire::JoinReply::Reader r,
                      Deliveries& out);
-  void on_join_cancel(Locked, const std::string& from,
-                      nodewire::JoinCancel::Reader c, Deliveries& out);
+  void on_join_cancel(Locked, const std::string& from, nodewire::JoinCancel::Reader c,
+                      Deliveries& out);
   void on_data(Locked, const std::string& from, Decoded& d, Deliveries& out, Tasks& tasks);
   void on_broken(Locked, nodewire::Broken::Reader b, Deliveries& out, Tasks& tasks);
-  void on_slot_failed(Locked, nodewire::SlotFailed::Reader f, Deliveries& out,
-                      Tasks& tasks);
+  void on_slot_failed(Locked, nodewire::SlotFailed::Reader f, Deliveries& out, Tasks& tasks);
   /// Whether `size` more bytes would pass memory.max_unreceived_bytes (cheap;
   /// over_unreceived_limit then acts on it).
   bool unreceived_over(Locked, std::uint64_t size) const;
@@ -269,8 +270,8 @@ struct Engine::Impl {
   /// queues at once, and the answers wait for the GPU.
   void start_gpu_slot(Locked, const std::shared_ptr<Comm>& cp, Slot& slot, Deliveries& out);
   /// GPU buffers across nodes: through pinned host staging.
-  void start_gpu_staged(Locked, const std::shared_ptr<Comm>& cp, Slot& slot,
-                        gpu::GpuCollective op, Deliveries& out);
+  void start_gpu_staged(Locked, const std::shared_ptr<Comm>& cp, Slot& slot, gpu::GpuCollective op,
+                        Deliveries& out);
   /// complete_slot of a staged operation: the answers wait for the copies
   /// back to the GPUs.
   void stage_out_slot(Locked, Comm& comm, Slot& slot, Deliveries staged, Deliveries& out);
@@ -304,8 +305,8 @@ struct Engine::Impl {
                  const std::shared_ptr<Group>& g, std::size_t k, bool& changed, Deliveries& out,
                  Tasks& tasks);
   void submit_part(Locked, const ClientRef& client, std::uint64_t request,
-                   const std::shared_ptr<Comm>& cp, int rank, const CollectiveArgs& args,
-                   int color, int key, Deliveries& out, Tasks& tasks);
+                   const std::shared_ptr<Comm>& cp, int rank, const CollectiveArgs& args, int color,
+                   int key, Deliveries& out, Tasks& tasks);
   void start_pair(const std::shared_ptr<Comm>& cp, std::shared_ptr<Group> sender,
                   std::shared_ptr<Group> receiver, Span src, Span dst, Tasks& tasks);
   void start_host_slot(const std::shared_ptr<Comm>& cp, Slot& slot, Tasks& tasks);

@@ -20,6 +20,7 @@
 
 #include "engine/gpu/executor.h"
 #include "engine/log.h"
+#include "engine/node_run.h"
 #include "engine/registry.h"
 #include "ipc/fd.h"
 
@@ -97,7 +98,8 @@ std::string secret_of(char c) { return std::string(16, c); }
 struct Node {
   explicit Node(std::chrono::milliseconds operation = 5000ms,
                 std::chrono::milliseconds rendezvous = 5000ms)
-      : log(config::LogLevel::error, devnull.get()), registry(RegistryLimits{}),
+      : log(config::LogLevel::error, devnull.get()),
+        registry(RegistryLimits{}),
         engine(options(operation, rendezvous), registry, log) {}
 
   static EngineOptions options(std::chrono::milliseconds operation,
@@ -334,8 +336,9 @@ TEST_CASE("a rank's own timeout gives the operation its deadline, and errors say
   node.engine.check_deadlines();
   const Result res = cl[1]->sink->wait(2);
   CHECK(res.code == Code::timeout);
-  CHECK(contains(res.message, "30 ms (the operation's timeout, set by rank 1; "
-                              "deadlines.operation_ms is 60000)"));
+  CHECK(contains(res.message,
+                 "30 ms (the operation's timeout, set by rank 1; "
+                 "deadlines.operation_ms is 60000)"));
 }
 
 TEST_CASE("a rendezvous not complete by its deadline fails its ranks") {
@@ -473,4 +476,15 @@ TEST_CASE("status: what is in flight and who is missing") {
   const Result res = cl[0]->sink->wait(2);
   CHECK(res.code == Code::aborted);
   CHECK(contains(res.message, "the test is over"));
+}
+
+TEST_CASE("collectives.algorithm parses once into its enum, and back") {
+  for (const char* name : {"auto", "ring", "pairwise", "direct", "tree"}) {
+    const auto forced = parse_algorithm_override(name);
+    REQUIRE(forced);
+    CHECK(to_string(*forced) == name);
+  }
+  CHECK(parse_algorithm_override("auto") == AlgorithmOverride::none);
+  CHECK_FALSE(parse_algorithm_override("rings"));
+  CHECK_FALSE(parse_algorithm_override(""));
 }

@@ -235,8 +235,8 @@ void Engine::Impl::stage_back_group(Locked, Group& g, Result res, Deliveries& ou
 
 /// The executor's operation for point-to-point bytes of `comm`'s group
 /// `seq`, holding the ranks' hand-off until the last RankSync drops.
-gpu::GpuCollective Engine::Impl::gpu_p2p_op(const Comm& comm, std::uint64_t seq, std::uint64_t bytes,
-                                     Clock::time_point deadline) {
+gpu::GpuCollective Engine::Impl::gpu_p2p_op(const Comm& comm, std::uint64_t seq,
+                                            std::uint64_t bytes, Clock::time_point deadline) {
   gpu::GpuCollective op;
   op.comm = comm.name;
   op.seq = seq;
@@ -251,9 +251,10 @@ gpu::GpuCollective Engine::Impl::gpu_p2p_op(const Comm& comm, std::uint64_t seq,
 /// A send/recv pair inside the node on GPU buffers: the executor copies
 /// the sender's buffer into the receiver's over the peer mapping, after
 /// both ranks' inputs are ready on their streams.
-void Engine::Impl::start_gpu_pair(Locked lk, const std::shared_ptr<Comm>& cp, const std::shared_ptr<Group>& sender,
-                    const std::shared_ptr<Group>& receiver, P2PItem& send, P2PItem& recv,
-                    Deliveries& out) {
+void Engine::Impl::start_gpu_pair(Locked lk, const std::shared_ptr<Comm>& cp,
+                                  const std::shared_ptr<Group>& sender,
+                                  const std::shared_ptr<Group>& receiver, P2PItem& send,
+                                  P2PItem& recv, Deliveries& out) {
   Comm& comm = *cp;
   gpu::GpuCollective op = gpu_p2p_op(comm, sender->seq, send.span.bytes,
                                      std::min(sender->deadline, receiver->deadline));
@@ -289,8 +290,8 @@ void Engine::Impl::start_gpu_pair(Locked lk, const std::shared_ptr<Comm>& cp, co
 /// A GPU group's item with a peer on another node: the executor waits for
 /// the rank's stream and copies a send's data to pinned host staging (a
 /// receive gets staging of its size); then the item runs as a host one.
-void Engine::Impl::stage_gpu_item(Locked lk, const std::shared_ptr<Comm>& cp, const std::shared_ptr<Group>& g,
-                    std::size_t k, Deliveries& out) {
+void Engine::Impl::stage_gpu_item(Locked lk, const std::shared_ptr<Comm>& cp,
+                                  const std::shared_ptr<Group>& g, std::size_t k, Deliveries& out) {
   Comm& comm = *cp;
   P2PItem& item = g->items[k];
   item.staging = true;

@@ -263,10 +263,10 @@ void Engine::Impl::finish_rendezvous_across_nodes(Locked lk, const std::string& 
 }
 
 std::shared_ptr<Comm> Engine::Impl::make_spanning_comm(
-    Locked lk, const std::string& uid, const std::string& name, const std::vector<int>& node_of_rank,
-    const std::vector<pid_t>& pids, const std::vector<std::string>& addresses,
-    const std::vector<std::string>& names, const std::map<int, Joiner>& local,
-    Deliveries& out) {
+    Locked lk, const std::string& uid, const std::string& name,
+    const std::vector<int>& node_of_rank, const std::vector<pid_t>& pids,
+    const std::vector<std::string>& addresses, const std::vector<std::string>& names,
+    const std::map<int, Joiner>& local, Deliveries& out) {
   auto comm = std::make_shared<Comm>();
   comm->serial = ++comm_serial;
   comm->name = name;
@@ -419,7 +419,8 @@ void Engine::Impl::do_split(Locked lk, const std::shared_ptr<Comm>& cp, Slot& sl
   for (auto& d : replies) out.push_back(std::move(d));
 }
 
-void Engine::Impl::make_split_children(Locked lk, const std::shared_ptr<Comm>& cp, std::uint64_t seq,
+void Engine::Impl::make_split_children(Locked lk, const std::shared_ptr<Comm>& cp,
+                                       std::uint64_t seq,
                                        const std::vector<std::pair<int, int>>& color_key,
                                        std::map<int, CommInfo>& info) {
   Comm& parent = *cp;

@@ -31,8 +31,9 @@ void check_memory_kind(const CollectiveArgs& a, bool have_gpu, Part& part) {
       continue;
     }
     if (a.gpu && !on_device) {
-      throw Error(Code::invalid_argument,
-                  std::string(which) + " buffer is host memory, but the operation is on GPU buffers");
+      throw Error(
+          Code::invalid_argument,
+          std::string(which) + " buffer is host memory, but the operation is on GPU buffers");
     }
     if (a.gpu) {
       const std::uint64_t now = s == &part.send ? a.gpu->send_buffer_id : a.gpu->recv_buffer_id;
@@ -57,9 +58,15 @@ void check_overlap(const CollectiveArgs& a, int rank, std::uint64_t one, const P
   const bool overlap = s < r + part.recv.bytes && r < s + part.send.bytes;
   bool in_place = false;
   switch (a.kind) {
-    case OpKind::all_gather: in_place = s == r + rank * one; break;
-    case OpKind::reduce_scatter: in_place = r == s + rank * one; break;
-    default: in_place = s == r; break;
+    case OpKind::all_gather:
+      in_place = s == r + rank * one;
+      break;
+    case OpKind::reduce_scatter:
+      in_place = r == s + rank * one;
+      break;
+    default:
+      in_place = s == r;
+      break;
   }
   if (overlap && !in_place) {
     throw Error(Code::invalid_argument,
@@ -101,8 +108,8 @@ Desc validate_collective(Registry& registry, const ClientRef& client, const Coll
   if (!dtype) throw Error(Code::invalid_argument, "unknown dtype " + std::to_string(a.dtype));
   d.dtype = *dtype;
   d.count = a.count;
-  const bool reducing = a.kind == OpKind::all_reduce || a.kind == OpKind::reduce ||
-                        a.kind == OpKind::reduce_scatter;
+  const bool reducing =
+      a.kind == OpKind::all_reduce || a.kind == OpKind::reduce || a.kind == OpKind::reduce_scatter;
   if (reducing) {
     const auto op = redop_from_int(a.redop);
     if (!op) throw Error(Code::invalid_argument, "unknown reduction " + std::to_string(a.redop));
@@ -124,12 +131,23 @@ Desc validate_collective(Registry& registry, const ClientRef& client, const Coll
   const std::uint64_t one = a.count * dtype_size(d.dtype);
   std::uint64_t send_bytes = one, recv_bytes = one;
   switch (a.kind) {
-    case OpKind::all_gather: recv_bytes = one * n; break;
-    case OpKind::reduce_scatter: send_bytes = one * n; break;
-    case OpKind::all_to_all: send_bytes = recv_bytes = one * n; break;
-    case OpKind::broadcast: if (rank != a.root) send_bytes = 0; break;
-    case OpKind::reduce: if (rank != a.root) recv_bytes = 0; break;
-    default: break;
+    case OpKind::all_gather:
+      recv_bytes = one * n;
+      break;
+    case OpKind::reduce_scatter:
+      send_bytes = one * n;
+      break;
+    case OpKind::all_to_all:
+      send_bytes = recv_bytes = one * n;
+      break;
+    case OpKind::broadcast:
+      if (rank != a.root) send_bytes = 0;
+      break;
+    case OpKind::reduce:
+      if (rank != a.root) recv_bytes = 0;
+      break;
+    default:
+      break;
   }
   part.send = resolve_span(registry, client, a.send, send_bytes, "send");
   part.recv = resolve_span(registry, client, a.recv, recv_bytes, "recv");
@@ -170,8 +188,7 @@ P2PItem validate_p2p_item(Registry& registry, const ClientRef& client, const P2P
   }
   if (gpu && item.span.reg && a.buffer_id != 0 &&
       a.buffer_id != item.span.reg->device->buffer_id()) {
-    throw Error(Code::invalid_argument, "item " + std::to_string(i) + ": " + which +
-                                            " buffer: " +
+    throw Error(Code::invalid_argument, "item " + std::to_string(i) + ": " + which + " buffer: " +
                                             stale_registration(*item.span.reg, a.buffer_id));
   }
   return item;
