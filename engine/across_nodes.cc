@@ -119,15 +119,8 @@ void Engine::Impl::send_broken(Locked, Comm& comm, Code code, const std::string&
                                std::uint64_t floor) {
   for (int j = 0; j < static_cast<int>(comm.node_address.size()); ++j) {
     if (j == comm.my_node) continue;
-    capnp::MallocMessageBuilder mb(256);
-    auto m = mb.initRoot<nodewire::NodeMessage>();
-    m.setFrom(options.rendezvous_address);
-    auto b = m.initBroken();
-    b.setUid(comm.uid);
-    b.setCode(static_cast<std::uint16_t>(code));
-    b.setMessage(reason);
-    b.setFloor(floor);
-    send_node(comm.node_address[j], encode(mb));
+    send_node(comm.node_address[j],
+              broken_message(options.rendezvous_address, comm.uid, code, reason, floor));
   }
 }
 
@@ -135,15 +128,8 @@ void Engine::Impl::send_slot_failed(Locked, Comm& comm, std::uint64_t seq, Code 
                                     const std::string& reason) {
   for (int j = 0; j < static_cast<int>(comm.node_address.size()); ++j) {
     if (j == comm.my_node) continue;
-    capnp::MallocMessageBuilder mb(256);
-    auto m = mb.initRoot<nodewire::NodeMessage>();
-    m.setFrom(options.rendezvous_address);
-    auto f = m.initSlotFailed();
-    f.setUid(comm.uid);
-    f.setSeq(seq);
-    f.setCode(static_cast<std::uint16_t>(code));
-    f.setMessage(reason);
-    send_node(comm.node_address[j], encode(mb));
+    send_node(comm.node_address[j],
+              slot_failed_message(options.rendezvous_address, comm.uid, seq, code, reason));
   }
 }
 
@@ -419,23 +405,11 @@ void Engine::Impl::start_remote_item(Locked lk, const std::shared_ptr<Comm>& cp,
     const std::string node = comm.node_text(comm.node_of_rank[item.peer]);
     tasks.push_back([this, cp, g, address, node, span = item.span, peer = item.peer,
                      index = item.index, count = item.count, dtype = item.dtype] {
-      capnp::MallocMessageBuilder mb(128);
-      auto m = mb.initRoot<nodewire::NodeMessage>();
-      m.setFrom(options.rendezvous_address);
-      auto d = m.initData();
-      d.setUid(cp->uid);
-      d.setP2p(true);
-      d.setFromRank(static_cast<std::uint32_t>(g->rank));
-      d.setToRank(static_cast<std::uint32_t>(peer));
-      d.setIndex(index);
-      d.setCount(count);
-      d.setDtype(static_cast<std::uint8_t>(dtype));
-      d.setFromNode(static_cast<std::uint32_t>(cp->my_node));
-      const std::span<const std::byte> piece(span.ptr, span.bytes);
       // Read in place; the registration keeps the mapping alive until sent.
       HostRegion* region = span.reg && !span.reg->device ? span.reg->mapping.region() : nullptr;
-      auto bytes = encode(mb, std::span<const std::span<const std::byte>>(&piece, 1), span.reg,
-                          [region](std::span<const std::byte>) { return region; });
+      auto bytes = p2p_message(options.rendezvous_address, cp->uid, cp->my_node, g->rank, peer,
+                               index, count, dtype, std::span<const std::byte>(span.ptr, span.bytes),
+                               span.reg, region);
       NodeTransport* t = transport.load();
       if (!t) return;
       // The send is done (eagerly) once the bytes are in the connection.
@@ -552,15 +526,8 @@ void Engine::Impl::node_client_gone(Locked, std::uint64_t session) {
       continue;
     }
     const PendingJoin& p = it->second;
-    capnp::MallocMessageBuilder mb(256);
-    auto m = mb.initRoot<nodewire::NodeMessage>();
-    m.setFrom(options.rendezvous_address);
-    auto c = m.initJoinCancel();
-    c.setId(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(p.id.data()), p.id.size()));
-    c.setRendezvous(p.rendezvous);
-    c.setRank(p.rank);
-    c.setMessage("disconnected before all ranks joined");
-    send_node(p.rendezvous, encode(mb));
+    send_node(p.rendezvous, join_cancel(options.rendezvous_address, p.id, p.rendezvous, p.rank,
+                                        "disconnected before all ranks joined"));
     it = pending_joins.erase(it);
   }
 }

@@ -33,15 +33,6 @@ void EngineChannel::keep_alive(std::shared_ptr<const std::vector<Span>> spans) {
 void EngineChannel::send(int to, std::uint64_t tag,
                          std::span<const std::span<const std::byte>> pieces,
                          std::shared_ptr<const void> owner) {
-  capnp::MallocMessageBuilder mb(128);
-  auto m = mb.initRoot<nodewire::NodeMessage>();
-  m.setFrom(I_.options.rendezvous_address);
-  auto d = m.initData();
-  d.setUid(comm_->uid);
-  d.setSeq(seq_);
-  d.setTag(tag);
-  d.setFromNode(static_cast<std::uint32_t>(comm_->my_node));
-  set_desc(d, desc_, desc_rank_, plan_);
   auto keep = std::make_shared<Keep>(Keep{keep_, scratch_, std::move(owner)});
   {
     std::lock_guard l(sends_->mu);
@@ -55,7 +46,9 @@ void EngineChannel::send(int to, std::uint64_t tag,
     return nullptr;
   };
   sent_ = true;
-  I_.send_node(comm_->node_address[to], encode(mb, pieces, std::move(keep), find_region),
+  I_.send_node(comm_->node_address[to],
+               op_data_message(I_.options.rendezvous_address, comm_->uid, seq_, tag, comm_->my_node,
+                               desc_, desc_rank_, plan_, pieces, std::move(keep), find_region),
                [sends = sends_, to, node = comm_->node_text(to)](Code code, const std::string& why) {
                  std::lock_guard l(sends->mu);
                  --sends->outstanding;

@@ -101,17 +101,9 @@ void Engine::Impl::forward_join(Locked, const ClientRef& client, std::uint64_t r
   // a daemon that never answers.
   p.deadline = Clock::now() + options.rendezvous_deadline + std::chrono::seconds(5);
   pending_joins.emplace(key, std::move(p));
-  capnp::MallocMessageBuilder mb(256);
-  auto m = mb.initRoot<nodewire::NodeMessage>();
-  m.setFrom(options.rendezvous_address);
-  auto j = m.initJoin();
-  j.setId(data_of(secret));
-  j.setRendezvous(rendezvous_address);
-  j.setNranks(nranks);
-  j.setRank(rank);
-  j.setPid(client.pid);
-  j.setNode(options.node_name);
-  transport.load()->send(rendezvous_address, encode(mb),
+  transport.load()->send(rendezvous_address,
+                         join_message(options.rendezvous_address, secret, rendezvous_address,
+                                      nranks, rank, client.pid, options.node_name),
                          [this, key, rank, rendezvous_address](Code code, const std::string& why) {
                            if (code == Code::ok) return;
                            locked([&](Locked lk2, Deliveries& out2, Tasks&) {
@@ -125,19 +117,7 @@ void Engine::Impl::forward_join(Locked, const ClientRef& client, std::uint64_t r
 
 void Engine::Impl::send_join_reply(const std::string& to, const std::string& key, int rank,
                                    Code code, const std::string& why) {
-  capnp::MallocMessageBuilder mb(256);
-  auto m = mb.initRoot<nodewire::NodeMessage>();
-  m.setFrom(options.rendezvous_address);
-  auto r = m.initJoinReply();
-  // The key is the 16 id bytes (which may contain '@'), '@', the address.
-  const std::size_t at = 16;
-  const std::string id = key.substr(0, at);
-  r.setId(data_of(id));
-  r.setRendezvous(key.substr(at + 1));
-  r.setCode(static_cast<std::uint16_t>(code));
-  r.setMessage(why);
-  r.setRank(rank);
-  send_node(to, encode(mb));
+  send_node(to, join_refusal(options.rendezvous_address, key, rank, code, why));
 }
 
 std::optional<std::pair<Code, std::string>> Engine::Impl::join_rendezvous(
@@ -228,28 +208,8 @@ void Engine::Impl::finish_rendezvous_across_nodes(Locked lk, const std::string& 
   const std::string uid = to_hex(id) + "@" + options.rendezvous_address;
   for (std::size_t n = 0; n < addresses.size(); ++n) {
     if (addresses[n] == options.rendezvous_address) continue;
-    capnp::MallocMessageBuilder mb(1024);
-    auto m = mb.initRoot<nodewire::NodeMessage>();
-    m.setFrom(options.rendezvous_address);
-    auto r = m.initJoinReply();
-    r.setId(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(id.data()), id.size()));
-    r.setRendezvous(options.rendezvous_address);
-    r.setRank(-1);
-    r.setUid(uid);
-    r.setName(rv.name);
-    auto nor = r.initNodeOfRank(rv.nranks);
-    auto por = r.initPidOfRank(rv.nranks);
-    for (int k = 0; k < rv.nranks; ++k) {
-      nor.set(k, static_cast<std::uint32_t>(node_of_rank[k]));
-      por.set(k, pids[k]);
-    }
-    auto na = r.initNodeAddresses(static_cast<unsigned>(addresses.size()));
-    auto nn = r.initNodeNames(static_cast<unsigned>(names.size()));
-    for (std::size_t k = 0; k < addresses.size(); ++k) {
-      na.set(static_cast<unsigned>(k), addresses[k]);
-      nn.set(static_cast<unsigned>(k), names[k]);
-    }
-    send_node(addresses[n], encode(mb));
+    send_node(addresses[n], join_map(options.rendezvous_address, id, uid, rv.name, node_of_rank,
+                                     pids, addresses, names));
   }
   if (!local.empty()) {
     make_spanning_comm(lk, uid, rv.name, node_of_rank, pids, addresses, names, local, out);
