@@ -162,9 +162,7 @@ bool Engine::Impl::check_remote_desc(Locked lk, Comm& comm, std::uint64_t seq, D
     const NodeIn& in = it->second;
     std::string why;
     if (!(in.desc == slot.desc)) {
-      why = "mismatched operations for sequence number " + std::to_string(seq) + ": " +
-            comm.who(slot.desc_rank) + " submitted " + slot.desc.str() + " but " +
-            comm.who(in.desc_rank) + " submitted " + in.desc.str();
+      why = desc_mismatch(comm, seq, slot.desc_rank, slot.desc, in.desc_rank, in.desc);
     } else if (in.plan.known() && slot.run.plan.known() && !(in.plan == slot.run.plan)) {
       why = plan_mismatch(comm, seq, slot.desc, slot.run.plan, std::get<2>(it->first), in.plan);
     } else {
@@ -438,11 +436,7 @@ void Engine::Impl::start_remote_item(Locked lk, const std::shared_ptr<Comm>& cp,
   comm.inbox->p2p.erase(it);
   if (in->dtype != item.dtype || in->payload.size != item.count * dtype_size(item.dtype)) {
     fail_group(lk, comm, *g, Code::mismatch,
-               "mismatched send/recv: rank " + std::to_string(item.peer) + " sends " +
-                   std::to_string(in->count) + " " + std::string(to_string(in->dtype)) +
-                   " to rank " + std::to_string(g->rank) + " but rank " +
-                   std::to_string(g->rank) + " receives " + std::to_string(item.count) + " " +
-                   std::string(to_string(item.dtype)) + " from rank " + std::to_string(item.peer),
+               p2p_mismatch(item.peer, in->count, in->dtype, g->rank, item.count, item.dtype),
                out);
     return;
   }

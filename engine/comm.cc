@@ -36,6 +36,22 @@ std::string rank_list(const std::vector<int>& ranks) {
   return s;
 }
 
+std::string desc_mismatch(const Comm& comm, std::uint64_t seq, int rank_a, const Desc& a,
+                          int rank_b, const Desc& b) {
+  return "mismatched operations for sequence number " + std::to_string(seq) + ": " +
+         comm.who(rank_a) + " submitted " + a.str() + " but " + comm.who(rank_b) + " submitted " +
+         b.str();
+}
+
+std::string p2p_mismatch(int from, std::uint64_t send_count, DType send_dtype, int to,
+                         std::uint64_t recv_count, DType recv_dtype) {
+  return "mismatched send/recv: rank " + std::to_string(from) + " sends " +
+         std::to_string(send_count) + " " + std::string(to_string(send_dtype)) + " to rank " +
+         std::to_string(to) + " but rank " + std::to_string(to) + " receives " +
+         std::to_string(recv_count) + " " + std::string(to_string(recv_dtype)) + " from rank " +
+         std::to_string(from);
+}
+
 std::string plan_mismatch(const Comm& comm, std::uint64_t seq, const Desc& desc,
                           const NodePlan& mine, int node, const NodePlan& theirs) {
   return "mismatched plans for sequence number " + std::to_string(seq) + ", " + desc.str() +

@@ -204,6 +204,13 @@ struct Comm {
   }
 };
 
+/// Two ranks' descriptions of sequence number `seq` differ: the mismatch
+/// error, naming both (whoever reads either rank's error sees the pair).
+std::string desc_mismatch(const Comm& comm, std::uint64_t seq, int rank_a, const Desc& a,
+                          int rank_b, const Desc& b);
+/// A send and its matching receive disagree on the bytes: the mismatch error.
+std::string p2p_mismatch(int from, std::uint64_t send_count, DType send_dtype, int to,
+                         std::uint64_t recv_count, DType recv_dtype);
 /// A node's plan for an operation against another node's (NodePlan): the
 /// mismatch error.
 std::string plan_mismatch(const Comm& comm, std::uint64_t seq, const Desc& desc,

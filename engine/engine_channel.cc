@@ -164,11 +164,8 @@ NodePayload EngineChannel::recv(int from, std::uint64_t tag) {
     if (it != in.msgs.end()) {
       if (!(it->second.desc == desc_)) {
         // check_remote_desc() names it on arrival; this covers the rest.
-        throw Error(Code::mismatch, "mismatched operations for sequence number " +
-                                        std::to_string(seq_) + ": " +
-                                        comm_->who(desc_rank_) + " submitted " + desc_.str() +
-                                        " but " + comm_->who(it->second.desc_rank) +
-                                        " submitted " + it->second.desc.str());
+        throw Error(Code::mismatch, desc_mismatch(*comm_, seq_, desc_rank_, desc_,
+                                                  it->second.desc_rank, it->second.desc));
       }
       if (it->second.plan.known() && plan_.known() && !(it->second.plan == plan_)) {
         throw Error(Code::mismatch,

@@ -140,12 +140,8 @@ void Engine::Impl::submit_part(Locked lk, const ClientRef& client, std::uint64_t
       if (!check_remote_desc(lk, comm, seq, out)) return;
     }
   } else if (!(slot.desc == desc) || slot.desc.gpu != desc.gpu) {
-    // Named both ways, so that whoever reads either rank's error sees the pair.
     fail_slot(lk, comm, slot, Code::mismatch,
-              "mismatched operations for sequence number " + std::to_string(seq) + ": " +
-                  comm.who(slot.desc_rank) + " submitted " + slot.desc.str() + " but " +
-                  comm.who(rank) + " submitted " + desc.str(),
-              out);
+              desc_mismatch(comm, seq, slot.desc_rank, slot.desc, rank, desc), out);
     end_if_all_in();
     return;
   }
@@ -363,11 +359,7 @@ Engine::Impl::Next Engine::Impl::pair_item(Locked lk, const std::shared_ptr<Comm
   if (match->count * dtype_size(match->dtype) != item.count * dtype_size(item.dtype) ||
       match->dtype != item.dtype) {
     const std::string why =
-        "mismatched send/recv: rank " + std::to_string(m.rank) + " sends " +
-        std::to_string(item.count) + " " + std::string(to_string(item.dtype)) + " to rank " +
-        std::to_string(item.peer) + " but rank " + std::to_string(item.peer) + " receives " +
-        std::to_string(match->count) + " " + std::string(to_string(match->dtype)) +
-        " from rank " + std::to_string(m.rank);
+        p2p_mismatch(m.rank, item.count, item.dtype, item.peer, match->count, match->dtype);
     fail_group(lk, comm, *g, Code::mismatch, why, out);
     if (h != g) fail_group(lk, comm, *h, Code::mismatch, why, out);
     changed = true;
