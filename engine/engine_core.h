@@ -137,9 +137,9 @@ struct Engine::Impl {
                      std::chrono::milliseconds client, int rank) const;
   /// An expired deadline as errors name it.
   std::string deadline_text(Locked, std::chrono::milliseconds client, int rank) const;
-  static void remove_work(Member& m, const std::function<bool(const Work&)>& pred);
-  void observe_slot(const Comm& comm, const Slot& slot, Code code) const;
-  void observe_group(const Comm& comm, const Group& g, Code code) const;
+  static void remove_work(Locked, Member& m, const std::function<bool(const Work&)>& pred);
+  void observe_slot(Locked, const Comm& comm, const Slot& slot, Code code) const;
+  void observe_group(Locked, const Comm& comm, const Group& g, Code code) const;
   void fail_slot(Locked, Comm& comm, Slot& slot, Code code, const std::string& reason,
                  Deliveries& out);
   void fail_group(Locked, Comm& comm, Group& g, Code code, const std::string& reason,
@@ -284,7 +284,7 @@ struct Engine::Impl {
                         Deliveries& out, Start&& start);
   /// A GPU group is answered: its stream goes once the GPU work still
   /// holding its hand-off lets go.
-  static void drop_gpu(Group& g);
+  static void drop_gpu(Locked, Group& g);
   static gpu::GpuCollective gpu_p2p_op(const Comm& comm, std::uint64_t seq, std::uint64_t bytes,
                                        Clock::time_point deadline);
   void start_gpu_pair(Locked, const std::shared_ptr<Comm>& cp, const std::shared_ptr<Group>& sender,
@@ -309,7 +309,7 @@ struct Engine::Impl {
                    int key, Deliveries& out, Tasks& tasks);
   void start_pair(const std::shared_ptr<Comm>& cp, std::shared_ptr<Group> sender,
                   std::shared_ptr<Group> receiver, Span src, Span dst, Tasks& tasks);
-  void start_host_slot(const std::shared_ptr<Comm>& cp, Slot& slot, Tasks& tasks);
+  void start_host_slot(Locked, const std::shared_ptr<Comm>& cp, Slot& slot, Tasks& tasks);
   struct AcrossOp;
   bool prepare_across(Locked, Comm& comm, std::uint64_t seq, AcrossOp& a);
   void exchange_across(const std::shared_ptr<Comm>& cp, std::uint64_t seq, AcrossOp& a);

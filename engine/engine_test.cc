@@ -16,8 +16,10 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
+#include "engine/engine_lock.h"
 #include "engine/gpu/executor.h"
 #include "engine/log.h"
 #include "engine/node_run.h"
@@ -487,4 +489,35 @@ TEST_CASE("collectives.algorithm parses once into its enum, and back") {
   CHECK(parse_algorithm_override("auto") == AlgorithmOverride::none);
   CHECK_FALSE(parse_algorithm_override("rings"));
   CHECK_FALSE(parse_algorithm_override(""));
+}
+
+// The lock discipline is the compiler's: a Locked comes only from an
+// EngineLock that holds the mutex (engine/engine_lock.h).
+static_assert(!std::is_default_constructible_v<Locked>);
+static_assert(!std::is_constructible_v<Locked, std::mutex&>);
+static_assert(!std::is_copy_assignable_v<Locked>);
+static_assert(std::is_empty_v<Locked>);
+
+TEST_CASE("an EngineLock holds the mutex while it hands out its token") {
+  std::mutex mu;
+  // Asked from another thread (try_lock by the owner is undefined).
+  auto held = [&] {
+    bool got = false;
+    std::thread t([&] {
+      got = mu.try_lock();
+      if (got) mu.unlock();
+    });
+    t.join();
+    return !got;
+  };
+  {
+    EngineLock lock(mu);
+    [[maybe_unused]] const Locked token = lock.token();
+    CHECK(held());
+    lock.unlock();
+    CHECK_FALSE(held());
+    lock.lock();
+    CHECK(held());
+  }
+  CHECK_FALSE(held());
 }

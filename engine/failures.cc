@@ -32,13 +32,13 @@ std::string Engine::Impl::deadline_text(Locked, std::chrono::milliseconds client
          std::to_string(rank) + "; deadlines.operation_ms is " + node + ")";
 }
 
-void Engine::Impl::remove_work(Member& m, const std::function<bool(const Work&)>& pred) {
+void Engine::Impl::remove_work(Locked, Member& m, const std::function<bool(const Work&)>& pred) {
   m.queue.erase(std::remove_if(m.queue.begin(), m.queue.end(), pred), m.queue.end());
 }
 
 // ---- metrics (EngineOptions::observer) -------------------------------------------------
 
-void Engine::Impl::observe_slot(const Comm& comm, const Slot& slot, Code code) const {
+void Engine::Impl::observe_slot(Locked, const Comm& comm, const Slot& slot, Code code) const {
   if (options.observer == nullptr) return;
   const Desc& d = slot.desc;
   std::uint64_t bytes = d.count * dtype_size(d.dtype);
@@ -53,7 +53,7 @@ void Engine::Impl::observe_slot(const Comm& comm, const Slot& slot, Code code) c
                                        comm.spans_nodes() ? "tcp" : "local");
 }
 
-void Engine::Impl::observe_group(const Comm& comm, const Group& g, Code code) const {
+void Engine::Impl::observe_group(Locked, const Comm& comm, const Group& g, Code code) const {
   if (options.observer == nullptr) return;
   std::uint64_t bytes = 0;
   for (const auto& item : g.items) {
@@ -65,9 +65,9 @@ void Engine::Impl::observe_group(const Comm& comm, const Group& g, Code code) co
 
 // ---- failing -----------------------------------------------------------------------------
 
-void Engine::Impl::fail_slot(Locked, Comm& comm, Slot& slot, Code code, const std::string& reason,
+void Engine::Impl::fail_slot(Locked lk, Comm& comm, Slot& slot, Code code, const std::string& reason,
                              Deliveries& out) {
-  if (!slot.failed) observe_slot(comm, slot, code);
+  if (!slot.failed) observe_slot(lk, comm, slot, code);
   slot.failed = true;
   slot.failure = error(code, reason, slot.seq);
   for (int r = 0; r < comm.nranks; ++r) {
@@ -81,16 +81,16 @@ void Engine::Impl::fail_slot(Locked, Comm& comm, Slot& slot, Code code, const st
     part.send = {};
     part.recv = {};
     part.gpu_sync.reset();  // releases the client's stream (its flag is written)
-    remove_work(comm.members[r], [&](const Work& w) {
+    remove_work(lk, comm.members[r], [&](const Work& w) {
       return w.type == Work::Type::slot && w.seq == slot.seq;
     });
   }
 }
 
-void Engine::Impl::fail_group(Locked, Comm& comm, Group& g, Code code, const std::string& reason,
+void Engine::Impl::fail_group(Locked lk, Comm& comm, Group& g, Code code, const std::string& reason,
                               Deliveries& out) {
   if (g.failed || g.answered) return;
-  observe_group(comm, g, code);
+  observe_group(lk, comm, g, code);
   g.failed = true;
   g.answered = true;
   out.push_back({g.sink, g.request,
@@ -98,9 +98,9 @@ void Engine::Impl::fail_group(Locked, Comm& comm, Group& g, Code code, const std
                        "send/recv group (seq " + std::to_string(g.seq) + ") on " +
                            comm.where(g.rank) + ": " + reason,
                        g.seq)});
-  remove_work(comm.members[g.rank],
+  remove_work(lk, comm.members[g.rank],
               [&](const Work& w) { return w.type == Work::Type::group && w.group.get() == &g; });
-  drop_gpu(g);
+  drop_gpu(lk, g);
 }
 
 Engine::Impl::SlotIt Engine::Impl::end_slot(Locked lk, Comm& comm, SlotIt it) {

@@ -31,7 +31,7 @@ void Engine::Impl::answer_when_done(const std::shared_ptr<Deliveries>& answers, 
   }
 }
 
-void Engine::Impl::drop_gpu(Group& g) {
+void Engine::Impl::drop_gpu(Locked, Group& g) {
   if (!g.gpu_sync) return;
   g.gpu_sync.reset();
   for (auto& item : g.items) {
@@ -195,14 +195,14 @@ void Engine::Impl::stage_out_slot(Locked, Comm& comm, Slot& slot, Deliveries sta
   });
 }
 
-void Engine::Impl::stage_back_group(Locked, Group& g, Result res, Deliveries& out) {
+void Engine::Impl::stage_back_group(Locked lk, Group& g, Result res, Deliveries& out) {
   std::vector<std::shared_ptr<gpu::GpuStage>> back;
   for (auto& item : g.items) {
     if (item.staged && !item.is_send && item.gpu_stage) back.push_back(item.gpu_stage);
   }
   if (back.empty()) {
     out.push_back({g.sink, g.request, std::move(res)});
-    drop_gpu(g);
+    drop_gpu(lk, g);
     return;
   }
   auto answers = std::make_shared<Deliveries>();
@@ -216,7 +216,7 @@ void Engine::Impl::stage_back_group(Locked, Group& g, Result res, Deliveries& ou
   auto left = std::make_shared<Left>();
   left->n = back.size();
   const std::uint64_t seq = g.seq;
-  drop_gpu(g);  // the stages below hold the hand-off until their copies are done
+  drop_gpu(lk, g);  // the stages below hold the hand-off until their copies are done
   answer_when_done(answers, seq, out, [&](auto done) {
     for (auto& st : back) {
       gpu->stage_out(st, [left, done](Code code, std::string why) {

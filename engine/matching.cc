@@ -408,11 +408,12 @@ void Engine::Impl::start_slot(Locked lk, const std::shared_ptr<Comm>& cp, Slot& 
   if (cp->spans_nodes()) return start_across_nodes(lk, cp, slot.seq);
   if (slot.desc.kind == OpKind::split) return do_split(lk, cp, slot, out);
   if (slot.desc.kind == OpKind::barrier) return complete_slot(lk, *cp, slot.seq, out);
-  start_host_slot(cp, slot, tasks);
+  start_host_slot(lk, cp, slot, tasks);
 }
 
 /// A collective inside the node: tasks for the worker pool.
-void Engine::Impl::start_host_slot(const std::shared_ptr<Comm>& cp, Slot& slot, Tasks& tasks) {
+void Engine::Impl::start_host_slot(Locked, const std::shared_ptr<Comm>& cp, Slot& slot,
+                                   Tasks& tasks) {
   const std::uint64_t seq = slot.seq;
   CollectivePlanInput in;
   in.kind = slot.desc.kind;
@@ -453,7 +454,7 @@ void Engine::Impl::complete_slot(Locked lk, Comm& comm, std::uint64_t seq, Deliv
     answers.push_back({part.sink, part.request, std::move(res)});
   }
   ++completed;
-  observe_slot(comm, slot, Code::ok);
+  observe_slot(lk, comm, slot, Code::ok);
   if (slot.gpu_stage) stage_out_slot(lk, comm, slot, std::move(staged), out);
   end_slot(lk, comm, it);
 }
@@ -487,8 +488,8 @@ void Engine::Impl::finish_group(Locked lk, Comm& comm, Group& g, Deliveries& out
   Result res;
   res.seq = g.seq;
   ++completed;
-  observe_group(comm, g, Code::ok);
-  remove_work(comm.members[g.rank],
+  observe_group(lk, comm, g, Code::ok);
+  remove_work(lk, comm.members[g.rank],
               [&](const Work& w) { return w.type == Work::Type::group && w.group.get() == &g; });
   if (!g.gpu_sync) {
     out.push_back({g.sink, g.request, std::move(res)});
