@@ -140,13 +140,13 @@ NodeRun Engine::Impl::plan_node_run(const Comm& comm, const Desc& desc,
   NodeRun run;
   run.plan = node_plan(desc.kind, desc.count, desc.dtype, comm.nranks, nodes, options);
   run.forced = forced;
-  if (!desc.gpu) return run;  // only staging reads its input in pieces (start_gpu_staged)
   // Every rank of this node counts, whatever its memory: the host collective
   // runs over all of them.
   const std::uint64_t one = desc.count * dtype_size(desc.dtype);
   run.in_pieces =
       reads_input_in_pieces(desc.kind, one, comm.nranks, comm.local_count, nodes, options);
-  if (run.in_pieces) {
+  // Where to start copying the input in: staging only (it allocates).
+  if (run.in_pieces && desc.gpu) {
     run.first_read = first_input_read(desc.kind, desc.count, desc.dtype, comm.node_of_rank,
                                       comm.my_node, nodes, options);
   }

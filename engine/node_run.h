@@ -27,11 +27,12 @@ struct NodeRun {
   NodePlan plan;
   /// The override the plan was made under.
   AlgorithmOverride forced = AlgorithmOverride::none;
-  /// A staged GPU operation's local input is read piece by piece
-  /// (reads_input_in_pieces), from `first_read` on (first_input_read): it may
-  /// start before its inputs are all in host memory. Host operations leave
-  /// both unset (nothing stages their input).
+  /// The runner reads the local input piece by piece, each read announced
+  /// (reads_input_in_pieces): a staged GPU operation may then start before
+  /// its inputs are all in host memory.
   bool in_pieces = false;
+  /// Staged GPU operations: where in its input the runner reads first
+  /// (first_input_read), so that the copies in start there. 0 otherwise.
   std::uint64_t first_read = 0;
 };
 
