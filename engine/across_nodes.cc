@@ -22,13 +22,13 @@ Engine::Impl::~Impl() {
   {
     EngineLock lock(mu);
     stopping = true;
-    for (const auto& w : executors) {
+    for (const auto& w : nodes.executors) {
       if (auto ex = w.lock()) execs.push_back(ex);
     }
   }
   // The own node thread (tests) may be inside a fiber: let it finish what it
   // runs and stop. The daemon's event loop has returned by now.
-  runner->shut();
+  nodes.runner->shut();
   // Suspended fibers see `stopping` when resumed, fail their operation and
   // unwind (their stacks hold mappings and buffers). Queued jobs run the same
   // way and answer "stopping". A fiber waiting for a pass on the worker pool
@@ -54,7 +54,7 @@ Engine::Impl::~Impl() {
 void Engine::Impl::wake_executors(Locked) {
   // Every executor, also those of communicators already released whose last
   // operation still runs (it waits for its deadline).
-  std::erase_if(executors, [](const std::weak_ptr<Executor>& w) {
+  std::erase_if(nodes.executors, [](const std::weak_ptr<Executor>& w) {
     auto ex = w.lock();
     if (ex) Executor::wake(ex);
     return !ex;
@@ -63,23 +63,23 @@ void Engine::Impl::wake_executors(Locked) {
 
 void Engine::Impl::attach_nodes(Locked, const std::shared_ptr<Comm>& cp) {
   Comm& comm = *cp;
-  auto& ref = inboxes[comm.uid];
+  auto& ref = nodes.inboxes[comm.uid];
   if (!ref.first) ref.first = std::make_shared<Inbox>();
   ref.first->claimed = true;
   ref.second = cp;
   comm.inbox = ref.first;
   if (comm.inbox->broken) comm.broken = comm.inbox->broken;
   comm.exec = std::make_shared<Executor>();
-  comm.exec->runner = runner;
+  comm.exec->runner = nodes.runner;
   comm.exec->comm = comm.name;
   comm.inbox->exec = comm.exec;
-  executors.push_back(comm.exec);
+  nodes.executors.push_back(comm.exec);
 }
 
 void Engine::Impl::release_nodes(Locked, Comm& comm) {
   if (!comm.spans_nodes()) return;
-  auto it = inboxes.find(comm.uid);
-  if (it != inboxes.end() && it->second.first == comm.inbox) inboxes.erase(it);
+  auto it = nodes.inboxes.find(comm.uid);
+  if (it != nodes.inboxes.end() && it->second.first == comm.inbox) nodes.inboxes.erase(it);
   comm.inbox->msgs.clear();
   comm.inbox->p2p.clear();
   comm.inbox->bytes = 0;
@@ -98,7 +98,7 @@ void Engine::Impl::purge_inbox(Locked, Comm& comm, std::uint64_t seq) {
 
 void Engine::Impl::send_node(const std::string& address, OutMessage message,
                              NodeTransport::Done also) {
-  NodeTransport* t = transport.load();
+  NodeTransport* t = nodes.transport.load();
   if (!t) {
     if (also) also(Code::unavailable, "no transport between nodes");
     return;
@@ -230,7 +230,7 @@ bool Engine::Impl::prepare_across(Locked lk, Comm& comm, std::uint64_t seq, Acro
   a.desc_rank = slot.desc_rank;
   a.deadline = slot.deadline;
   a.expiry = deadline_text(lk, slot.timeout, slot.timeout_rank);
-  a.algorithms = slot.algorithms ? slot.algorithms : algorithms;
+  a.algorithms = slot.algorithms ? slot.algorithms : nodes.algorithms;
   a.run = slot.run;
   slot.across_started = Clock::now();
   NodeCollective& op = a.op;
@@ -408,7 +408,7 @@ void Engine::Impl::start_remote_item(Locked lk, const std::shared_ptr<Comm>& cp,
       auto bytes = p2p_message(options.rendezvous_address, cp->uid, cp->my_node, g->rank, peer,
                                index, count, dtype, std::span<const std::byte>(span.ptr, span.bytes),
                                span.reg, region);
-      NodeTransport* t = transport.load();
+      NodeTransport* t = nodes.transport.load();
       if (!t) return;
       // The send is done (eagerly) once the bytes are in the connection.
       t->send(address, std::move(bytes),
@@ -455,7 +455,7 @@ void Engine::Impl::handle_node_down(Locked lk, const std::string& address, const
   const std::string who = "node " + (node.empty() ? address : node + " (" + address + ")");
   // Ranks here waiting for that node's rendezvous.
   std::set<std::string> keys;
-  for (auto& [key, p] : pending_joins) {
+  for (auto& [key, p] : joins.pending) {
     if (p.rendezvous == address) keys.insert(key);
   }
   for (const auto& key : keys) {
@@ -463,7 +463,7 @@ void Engine::Impl::handle_node_down(Locked lk, const std::string& address, const
                        "the rendezvous daemon, " + who + ", went away: " + why, out);
   }
   // Rendezvous here with ranks from that node.
-  for (auto it = rendezvous.begin(); it != rendezvous.end();) {
+  for (auto it = joins.here.begin(); it != joins.here.end();) {
     Rendezvous& rv = it->second;
     const bool involved = std::any_of(rv.joined.begin(), rv.joined.end(), [&](const auto& j) {
       return j && j->address == address;
@@ -474,7 +474,7 @@ void Engine::Impl::handle_node_down(Locked lk, const std::string& address, const
     }
     fail_rendezvous(lk, it->first, rv, Code::remote, "ranks on " + who + " went away: " + why, -1,
                     out);
-    it = rendezvous.erase(it);
+    it = joins.here.erase(it);
   }
   for (auto& cp : all_comms(lk)) {
     if (!cp->spans_nodes()) continue;
@@ -491,11 +491,11 @@ void Engine::Impl::handle_node_down(Locked lk, const std::string& address, const
 
 void Engine::Impl::check_node_deadlines(Locked lk, Clock::time_point now, Deliveries& out) {
   std::set<std::string> expired;
-  for (auto& [key, p] : pending_joins) {
+  for (auto& [key, p] : joins.pending) {
     if (now >= p.deadline) expired.insert(key);
   }
   for (const auto& key : expired) {
-    auto it = pending_joins.find(key);
+    auto it = joins.pending.find(key);
     fail_pending_joins(lk, key, -1, Code::timeout,
                        "no answer from the rendezvous daemon " + it->second.rendezvous +
                            " within " +
@@ -504,9 +504,9 @@ void Engine::Impl::check_node_deadlines(Locked lk, Clock::time_point now, Delive
                            "cannot be reached",
                        out);
   }
-  for (auto it = inboxes.begin(); it != inboxes.end();) {
+  for (auto it = nodes.inboxes.begin(); it != nodes.inboxes.end();) {
     if (!it->second.first->claimed && now >= it->second.first->expires) {
-      it = inboxes.erase(it);
+      it = nodes.inboxes.erase(it);
     } else {
       ++it;
     }
@@ -514,7 +514,7 @@ void Engine::Impl::check_node_deadlines(Locked lk, Clock::time_point now, Delive
 }
 
 void Engine::Impl::node_client_gone(Locked, std::uint64_t session) {
-  for (auto it = pending_joins.begin(); it != pending_joins.end();) {
+  for (auto it = joins.pending.begin(); it != joins.pending.end();) {
     if (it->second.client.session != session) {
       ++it;
       continue;
@@ -522,13 +522,13 @@ void Engine::Impl::node_client_gone(Locked, std::uint64_t session) {
     const PendingJoin& p = it->second;
     send_node(p.rendezvous, join_cancel(options.rendezvous_address, p.id, p.rendezvous, p.rank,
                                         "disconnected before all ranks joined"));
-    it = pending_joins.erase(it);
+    it = joins.pending.erase(it);
   }
 }
 
 void Engine::Impl::node_shutdown(Locked lk, const std::string& reason, Deliveries& out) {
   std::set<std::string> keys;
-  for (auto& [key, p] : pending_joins) keys.insert(key);
+  for (auto& [key, p] : joins.pending) keys.insert(key);
   for (const auto& key : keys) fail_pending_joins(lk, key, -1, Code::aborted, reason, out);
   wake_executors(lk);
 }

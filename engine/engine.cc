@@ -29,7 +29,7 @@ std::string_view to_string(OpKind kind) {
 Engine::Impl::Impl(EngineOptions o, Registry& r, Logger& l)
     : options(std::move(o)), registry(r), log(l), pool(options.worker_threads) {
   // The own node thread (no runner set) sweeps deadlines itself.
-  runner->idle = [this] {
+  nodes.runner->idle = [this] {
     EngineLock lock(mu);
     wake_executors(lock.token());
   };
@@ -93,12 +93,12 @@ void Engine::shutdown(const std::string& reason) { impl_->shutdown(reason); }
 
 void Engine::set_node_transport(NodeTransport* transport) {
   EngineLock lock(impl_->mu);
-  impl_->transport = transport;
+  impl_->nodes.transport = transport;
 }
 
 void Engine::set_node_runner(std::function<void(std::function<void()>)> post) {
   EngineLock lock(impl_->mu);
-  impl_->runner->post = std::move(post);
+  impl_->nodes.runner->post = std::move(post);
 }
 
 void Engine::set_node_algorithms(const NodeAlgorithmOptions& options) {
@@ -109,8 +109,8 @@ void Engine::set_node_algorithms(const NodeAlgorithmOptions& options) {
     impl_->log.warn("node_algorithm_unknown", {{"algorithm", options.algorithm}});
   }
   EngineLock lock(impl_->mu);
-  impl_->algorithms = std::move(next);
-  impl_->algorithm_override = forced.value_or(AlgorithmOverride::none);
+  impl_->nodes.algorithms = std::move(next);
+  impl_->nodes.algorithm_override = forced.value_or(AlgorithmOverride::none);
 }
 
 void Engine::node_message(const std::string& peer, MessageBytes message) {
@@ -138,8 +138,8 @@ Placement Engine::place_node_message(std::span<const std::byte> head, std::uint6
     const std::string uid = text(dm.getUid());
     const auto key = std::make_tuple(dm.getSeq(), dm.getTag(), static_cast<int>(dm.getFromNode()));
     EngineLock lock(I.mu);
-    const auto it = I.inboxes.find(uid);
-    if (it == I.inboxes.end() || !it->second.first) return {};
+    const auto it = I.nodes.inboxes.find(uid);
+    if (it == I.nodes.inboxes.end() || !it->second.first) return {};
     const auto pp = it->second.first->posted.find(key);
     if (pp == it->second.first->posted.end() || pp->second.claimed || pp->second.bytes != bytes) {
       return {};
@@ -165,8 +165,8 @@ void Engine::node_down(const std::string& address, const std::string& node,
 
 std::optional<CommShape> Engine::comm_shape(std::uint64_t session, std::uint64_t handle) const {
   EngineLock lock(impl_->mu);
-  auto it = impl_->handles.find(handle);
-  if (it == impl_->handles.end()) return std::nullopt;
+  auto it = impl_->communicators.by_handle.find(handle);
+  if (it == impl_->communicators.by_handle.end()) return std::nullopt;
   const auto& [comm, rank] = it->second;
   if (comm->members[rank].session != session) return std::nullopt;
   CommShape s;
@@ -193,7 +193,7 @@ EngineStats Engine::stats() const {
       }
     }
   }
-  s.completed = impl_->completed;
+  s.completed = impl_->communicators.completed;
   s.worker_threads = static_cast<std::uint32_t>(impl_->pool.size());
   return s;
 }

@@ -42,27 +42,40 @@ struct Engine::Impl {
   Registry& registry;
   Logger& log;
   mutable std::mutex mu;
-  std::uint64_t comm_serial = 0;  // the last Comm::serial given
-  std::map<std::string, Rendezvous> rendezvous;
-  std::map<std::uint64_t, std::pair<std::shared_ptr<Comm>, int>> handles;  // handle -> (comm, rank)
-  std::uint64_t next_handle = 1;
-  std::uint64_t completed = 0;
   bool stopping = false;
   gpu::GpuExecutor* gpu = nullptr;  // collectives on GPU buffers (engine/gpu/)
-  // Communicators that span nodes.
-  std::atomic<NodeTransport*> transport{nullptr};
-  /// The profile's, replaced whole on reload (Engine::set_node_algorithms):
-  /// each operation across nodes keeps the one it was submitted under
-  /// (Slot::algorithms), so that a reload while it runs cannot change its
-  /// algorithm halfway or race its reads.
-  std::shared_ptr<const NodeAlgorithmOptions> algorithms =
-      std::make_shared<const NodeAlgorithmOptions>();
-  /// Its collectives.algorithm, parsed once (set_node_algorithms).
-  AlgorithmOverride algorithm_override = AlgorithmOverride::none;
-  std::map<std::string, InboxRef> inboxes;  // uid -> inbox and the communicator using it
-  std::multimap<std::string, PendingJoin> pending_joins;  // key (id@rendezvous) -> ranks
-  std::shared_ptr<NodeRunner> runner = std::make_shared<NodeRunner>();
-  std::vector<std::weak_ptr<Executor>> executors;  // every one made (pruned when woken)
+
+  /// This daemon's communicators, by the handle of each of its local ranks.
+  struct Communicators {
+    std::map<std::uint64_t, std::pair<std::shared_ptr<Comm>, int>> by_handle;  // -> (comm, rank)
+    std::uint64_t next_handle = 1;
+    std::uint64_t serial = 0;     // the last Comm::serial given
+    std::uint64_t completed = 0;  // operations answered ok (EngineStats)
+  } communicators;
+
+  /// Rendezvous in progress: at this daemon (by key, id@address), and this
+  /// node's ranks waiting for another node's rendezvous daemon.
+  struct Joins {
+    std::map<std::string, Rendezvous> here;
+    std::multimap<std::string, PendingJoin> pending;
+  } joins;
+
+  /// What communicators that span nodes share.
+  struct Nodes {
+    std::atomic<NodeTransport*> transport{nullptr};
+    /// The profile's, replaced whole on reload (Engine::set_node_algorithms):
+    /// each operation across nodes keeps the one it was submitted under
+    /// (Slot::algorithms), so that a reload while it runs cannot change its
+    /// algorithm halfway or race its reads.
+    std::shared_ptr<const NodeAlgorithmOptions> algorithms =
+        std::make_shared<const NodeAlgorithmOptions>();
+    /// Its collectives.algorithm, parsed once (set_node_algorithms).
+    AlgorithmOverride algorithm_override = AlgorithmOverride::none;
+    std::map<std::string, InboxRef> inboxes;  // uid -> inbox and the communicator using it
+    std::shared_ptr<NodeRunner> runner = std::make_shared<NodeRunner>();
+    std::vector<std::weak_ptr<Executor>> executors;  // every one made (pruned when woken)
+  } nodes;
+
   // Declared last: destroyed first, so its threads are joined (and their
   // tasks, which call back into this Impl, are done) before anything else goes.
   WorkerPool pool;

@@ -149,7 +149,7 @@ void Engine::Impl::break_comm(Locked lk, Comm& comm, Code code, const std::strin
 
 std::vector<std::shared_ptr<Comm>> Engine::Impl::all_comms(Locked) const {
   std::vector<std::shared_ptr<Comm>> comms;
-  for (const auto& [h, cr] : handles) comms.push_back(cr.first);
+  for (const auto& [h, cr] : communicators.by_handle) comms.push_back(cr.first);
   std::sort(comms.begin(), comms.end());
   comms.erase(std::unique(comms.begin(), comms.end()), comms.end());
   return comms;
@@ -158,7 +158,7 @@ std::vector<std::shared_ptr<Comm>> Engine::Impl::all_comms(Locked) const {
 void Engine::Impl::drop_member(Locked lk, Comm& comm, int rank) {
   Member& m = comm.members[rank];
   m.active = false;
-  handles.erase(m.handle);
+  communicators.by_handle.erase(m.handle);
   const bool local_left = std::any_of(comm.members.begin(), comm.members.end(),
                                       [](const Member& x) { return x.active && !x.remote; });
   if (!local_left) release_nodes(lk, comm);
@@ -172,7 +172,7 @@ void Engine::Impl::client_gone(std::uint64_t session) {
     rendezvous_client_gone(lk, session, out);
     node_client_gone(lk, session);
     std::vector<std::pair<std::shared_ptr<Comm>, int>> mine;
-    for (auto& [h, cr] : handles) {
+    for (auto& [h, cr] : communicators.by_handle) {
       const Member& m = cr.first->members[cr.second];
       if (!m.remote && m.session == session) mine.push_back(cr);
     }
@@ -286,8 +286,8 @@ void Engine::Impl::expire_groups(Locked lk, Comm& comm, Clock::time_point now, D
 void Engine::Impl::shutdown(const std::string& reason) {
   locked([&](Locked lk, Deliveries& out, Tasks&) {
     stopping = true;
-    for (auto& [key, rv] : rendezvous) fail_rendezvous(lk, key, rv, Code::aborted, reason, -1, out);
-    rendezvous.clear();
+    for (auto& [key, rv] : joins.here) fail_rendezvous(lk, key, rv, Code::aborted, reason, -1, out);
+    joins.here.clear();
     node_shutdown(lk, reason, out);
     for (auto& cp : all_comms(lk)) break_comm(lk, *cp, Code::aborted, reason, out);
   });

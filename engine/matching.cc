@@ -28,8 +28,8 @@ void Engine::Impl::deliver(Deliveries& out) {
 
 std::pair<std::shared_ptr<Comm>, int> Engine::Impl::resolve(Locked, const ClientRef& client,
                                                             std::uint64_t handle) {
-  auto it = handles.find(handle);
-  if (it == handles.end()) {
+  auto it = communicators.by_handle.find(handle);
+  if (it == communicators.by_handle.end()) {
     throw Error(Code::not_found, "unknown communicator handle " + std::to_string(handle) +
                                      " (never created, destroyed, or aborted)");
   }
@@ -134,8 +134,8 @@ void Engine::Impl::submit_part(Locked lk, const ClientRef& client, std::uint64_t
     slot.has_desc = true;
     slot.desc_rank = rank;
     if (comm.spans_nodes()) {
-      slot.algorithms = algorithms;
-      slot.run = plan_node_run(comm, desc, *slot.algorithms, algorithm_override);
+      slot.algorithms = nodes.algorithms;
+      slot.run = plan_node_run(comm, desc, *slot.algorithms, nodes.algorithm_override);
       // Other nodes may have sent their view of this operation already.
       if (!check_remote_desc(lk, comm, seq, out)) return;
     }
@@ -453,7 +453,7 @@ void Engine::Impl::complete_slot(Locked lk, Comm& comm, std::uint64_t seq, Deliv
     res.seq = seq;
     answers.push_back({part.sink, part.request, std::move(res)});
   }
-  ++completed;
+  ++communicators.completed;
   observe_slot(lk, comm, slot, Code::ok);
   if (slot.gpu_stage) stage_out_slot(lk, comm, slot, std::move(staged), out);
   end_slot(lk, comm, it);
@@ -487,7 +487,7 @@ void Engine::Impl::finish_group(Locked lk, Comm& comm, Group& g, Deliveries& out
   g.answered = true;
   Result res;
   res.seq = g.seq;
-  ++completed;
+  ++communicators.completed;
   observe_group(lk, comm, g, Code::ok);
   remove_work(lk, comm.members[g.rank],
               [&](const Work& w) { return w.type == Work::Type::group && w.group.get() == &g; });

@@ -87,7 +87,7 @@ void Engine::Impl::on_join_reply(Locked lk, const std::string& from,
   const int my_node = static_cast<int>(me - addresses.begin());
   std::map<int, Joiner> local;
   std::vector<int> lost;  // local ranks of the map whose client is gone
-  auto [b, e] = pending_joins.equal_range(key);
+  auto [b, e] = joins.pending.equal_range(key);
   for (auto it = b; it != e; ++it) {
     Joiner j;
     j.client = it->second.client;
@@ -105,7 +105,7 @@ void Engine::Impl::on_join_reply(Locked lk, const std::string& from,
     log.warn("join_reply_unclaimed", {{"comm", text(r.getName())}, {"from", from}});
     return;
   }
-  pending_joins.erase(key);
+  joins.pending.erase(key);
   auto comm = make_spanning_comm(lk, text(r.getUid()), text(r.getName()), node_of_rank, pids,
                                  addresses, names, local, out);
   if (!lost.empty()) {
@@ -119,8 +119,8 @@ void Engine::Impl::on_join_reply(Locked lk, const std::string& from,
 void Engine::Impl::on_join_cancel(Locked lk, const std::string& from,
                                   nodewire::JoinCancel::Reader c, Deliveries& out) {
   const std::string key = data(c.getId()) + "@" + text(c.getRendezvous());
-  auto it = rendezvous.find(key);
-  if (it == rendezvous.end()) return;
+  auto it = joins.here.find(key);
+  if (it == joins.here.end()) return;
   Rendezvous& rv = it->second;
   const auto rank = c.getRank();
   if (rank >= static_cast<std::uint32_t>(rv.nranks) || !rv.joined[rank] ||
@@ -132,7 +132,7 @@ void Engine::Impl::on_join_cancel(Locked lk, const std::string& from,
                       std::to_string(rv.joined[rank]->pid) + " on node " +
                       rv.joined[rank]->node + ") " + text(c.getMessage()),
                   static_cast<int>(rank), out);
-  rendezvous.erase(it);
+  joins.here.erase(it);
 }
 
 void Engine::Impl::on_data(Locked lk, const std::string& from, Decoded& decoded, Deliveries& out,
@@ -140,7 +140,7 @@ void Engine::Impl::on_data(Locked lk, const std::string& from, Decoded& decoded,
   Decoded* d = &decoded;
   auto dm = d->msg.getData();
   const std::string uid = text(dm.getUid());
-  auto& ref = inboxes[uid];
+  auto& ref = nodes.inboxes[uid];
   if (!ref.first) {
     // Its communicator does not exist here yet (the join reply is on its
     // way): kept for a while.
@@ -208,8 +208,8 @@ void Engine::Impl::on_data(Locked lk, const std::string& from, Decoded& decoded,
 
 void Engine::Impl::on_broken(Locked lk, nodewire::Broken::Reader b, Deliveries& out,
                              Tasks& tasks) {
-  auto it = inboxes.find(text(b.getUid()));
-  if (it == inboxes.end()) return;
+  auto it = nodes.inboxes.find(text(b.getUid()));
+  if (it == nodes.inboxes.end()) return;
   const Code code = static_cast<Code>(b.getCode());
   const std::string why = text(b.getMessage());
   if (auto cp = it->second.second.lock()) {
@@ -222,8 +222,8 @@ void Engine::Impl::on_broken(Locked lk, nodewire::Broken::Reader b, Deliveries& 
 
 void Engine::Impl::on_slot_failed(Locked lk, nodewire::SlotFailed::Reader f, Deliveries& out,
                                   Tasks& tasks) {
-  auto it = inboxes.find(text(f.getUid()));
-  if (it == inboxes.end()) return;
+  auto it = nodes.inboxes.find(text(f.getUid()));
+  if (it == nodes.inboxes.end()) return;
   auto cp = it->second.second.lock();
   const std::uint64_t seq = f.getSeq();
   const Code code = static_cast<Code>(f.getCode());
@@ -254,7 +254,7 @@ bool Engine::Impl::unreceived_over(Locked, std::uint64_t size) const {
   const std::uint64_t limit = options.max_unreceived_bytes;
   if (limit == 0) return false;
   std::uint64_t held = 0;
-  for (const auto& [_, ref] : inboxes) held += ref.first ? ref.first->bytes : 0;
+  for (const auto& [_, ref] : nodes.inboxes) held += ref.first ? ref.first->bytes : 0;
   return held + size > limit;
 }
 
@@ -265,7 +265,7 @@ bool Engine::Impl::over_unreceived_limit(Locked lk, const std::string& uid, Inbo
   const std::uint64_t limit = options.max_unreceived_bytes;
   if (limit == 0) return false;
   std::uint64_t held = 0;
-  for (const auto& [_, ref] : inboxes) held += ref.first ? ref.first->bytes : 0;
+  for (const auto& [_, ref] : nodes.inboxes) held += ref.first ? ref.first->bytes : 0;
   if (held + size <= limit) return false;
   // Sends complete once their data is on the way (eager), and a broadcast
   // root does not wait for its receivers: without a bound a program whose

@@ -56,7 +56,7 @@ void Engine::Impl::comm_init(const ClientRef& client, std::uint64_t request,
       // Another node's daemon runs the rendezvous: the join goes there.
       const bool local_only = rendezvous_address.rfind("local:", 0) == 0;
       const bool no_listener = options.rendezvous_address.rfind("local:", 0) == 0;
-      if (!transport || local_only || no_listener) {
+      if (!nodes.transport || local_only || no_listener) {
         return fail(Code::unavailable,
                     "the unique id names rendezvous daemon " + rendezvous_address +
                         ", but this is node " + options.node_name + " (" +
@@ -66,7 +66,7 @@ void Engine::Impl::comm_init(const ClientRef& client, std::uint64_t request,
                         ": communicators across nodes need peer.port and peer.secret_file on "
                         "every node");
       }
-      auto [b, e] = pending_joins.equal_range(key);
+      auto [b, e] = joins.pending.equal_range(key);
       for (auto it = b; it != e; ++it) {
         if (it->second.rank == rank) {
           return fail(Code::invalid_usage, "rank " + std::to_string(rank) +
@@ -100,8 +100,8 @@ void Engine::Impl::forward_join(Locked, const ClientRef& client, std::uint64_t r
   // The rendezvous daemon answers by its own deadline; this one only covers
   // a daemon that never answers.
   p.deadline = Clock::now() + options.rendezvous_deadline + std::chrono::seconds(5);
-  pending_joins.emplace(key, std::move(p));
-  transport.load()->send(rendezvous_address,
+  joins.pending.emplace(key, std::move(p));
+  nodes.transport.load()->send(rendezvous_address,
                          join_message(options.rendezvous_address, secret, rendezvous_address,
                                       nranks, rank, client.pid, options.node_name),
                          [this, key, rank, rendezvous_address](Code code, const std::string& why) {
@@ -123,7 +123,7 @@ void Engine::Impl::send_join_reply(const std::string& to, const std::string& key
 std::optional<std::pair<Code, std::string>> Engine::Impl::join_rendezvous(
     Locked lk, const std::string& key, std::uint32_t nranks, std::uint32_t rank, Joiner joiner,
     Deliveries& out) {
-  auto [it, fresh] = rendezvous.try_emplace(key);
+  auto [it, fresh] = joins.here.try_emplace(key);
   Rendezvous& rv = it->second;
   if (fresh) {
     rv.name = hex_prefix(key, 4);
@@ -151,11 +151,11 @@ std::optional<std::pair<Code, std::string>> Engine::Impl::join_rendezvous(
                                   [](const std::optional<Joiner>& j) { return !j->address.empty(); });
   if (remote) {
     finish_rendezvous_across_nodes(lk, key, rv, out);
-    rendezvous.erase(it);
+    joins.here.erase(it);
     return std::nullopt;
   }
   auto comm = std::make_shared<Comm>();
-  comm->serial = ++comm_serial;
+  comm->serial = ++communicators.serial;
   comm->name = rv.name;
   comm->nranks = rv.nranks;
   comm->local_count = rv.nranks;
@@ -164,8 +164,8 @@ std::optional<std::pair<Code, std::string>> Engine::Impl::join_rendezvous(
     m.rank = r;
     m.session = rv.joined[r]->client.session;
     m.pid = rv.joined[r]->client.pid;
-    m.handle = next_handle++;
-    handles[m.handle] = {comm, r};
+    m.handle = communicators.next_handle++;
+    communicators.by_handle[m.handle] = {comm, r};
     comm->members.push_back(std::move(m));
   }
   for (int r = 0; r < rv.nranks; ++r) {
@@ -180,7 +180,7 @@ std::optional<std::pair<Code, std::string>> Engine::Impl::join_rendezvous(
             {"rendezvous_ms",
              std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - rv.started)
                  .count()}});
-  rendezvous.erase(it);
+  joins.here.erase(it);
   return std::nullopt;
 }
 
@@ -228,7 +228,7 @@ std::shared_ptr<Comm> Engine::Impl::make_spanning_comm(
     const std::vector<std::string>& addresses, const std::vector<std::string>& names,
     const std::map<int, Joiner>& local, Deliveries& out) {
   auto comm = std::make_shared<Comm>();
-  comm->serial = ++comm_serial;
+  comm->serial = ++communicators.serial;
   comm->name = name;
   comm->uid = uid;
   comm->nranks = static_cast<int>(node_of_rank.size());
@@ -245,8 +245,8 @@ std::shared_ptr<Comm> Engine::Impl::make_spanning_comm(
     auto it = local.find(r);
     if (it != local.end()) {
       m.session = it->second.client.session;
-      m.handle = next_handle++;
-      handles[m.handle] = {comm, r};
+      m.handle = communicators.next_handle++;
+      communicators.by_handle[m.handle] = {comm, r};
       ++comm->local_count;
     } else {
       m.remote = true;
@@ -285,7 +285,7 @@ void Engine::Impl::fail_rendezvous(Locked, const std::string& key, Rendezvous& r
 
 void Engine::Impl::fail_pending_joins(Locked, const std::string& key, int rank, Code code,
                                       const std::string& why, Deliveries& out) {
-  auto [b, e] = pending_joins.equal_range(key);
+  auto [b, e] = joins.pending.equal_range(key);
   for (auto it = b; it != e;) {
     if (rank >= 0 && it->second.rank != static_cast<std::uint32_t>(rank)) {
       ++it;
@@ -298,12 +298,12 @@ void Engine::Impl::fail_pending_joins(Locked, const std::string& key, int rank, 
                                     : "comm_init_rank (communicator " + hex_prefix(p.id, 4) +
                                           ", rank " + std::to_string(p.rank) + " of " +
                                           std::to_string(p.nranks) + "): " + why)});
-    it = pending_joins.erase(it);
+    it = joins.pending.erase(it);
   }
 }
 
 void Engine::Impl::expire_rendezvous(Locked lk, Clock::time_point now, Deliveries& out) {
-  for (auto it = rendezvous.begin(); it != rendezvous.end();) {
+  for (auto it = joins.here.begin(); it != joins.here.end();) {
     Rendezvous& rv = it->second;
     if (now < rv.deadline) {
       ++it;
@@ -329,12 +329,12 @@ void Engine::Impl::expire_rendezvous(Locked lk, Clock::time_point now, Deliverie
               {"missing", rank_list(missing)},
               {"action", "start the missing ranks with the same unique id and nranks, or "
                          "raise deadlines.rendezvous_ms if they start later"}});
-    it = rendezvous.erase(it);
+    it = joins.here.erase(it);
   }
 }
 
 void Engine::Impl::rendezvous_client_gone(Locked lk, std::uint64_t session, Deliveries& out) {
-  for (auto it = rendezvous.begin(); it != rendezvous.end();) {
+  for (auto it = joins.here.begin(); it != joins.here.end();) {
     Rendezvous& rv = it->second;
     int gone = -1;
     for (int r = 0; r < rv.nranks; ++r) {
@@ -352,7 +352,7 @@ void Engine::Impl::rendezvous_client_gone(Locked lk, std::uint64_t session, Deli
                         std::to_string(rv.joined[gone]->pid) + " on node " + options.node_name +
                         ") disconnected before all ranks joined",
                     gone, out);
-    it = rendezvous.erase(it);
+    it = joins.here.erase(it);
   }
 }
 
@@ -396,7 +396,7 @@ void Engine::Impl::make_split_children(Locked lk, const std::shared_ptr<Comm>& c
                                   [&](int r) { return !parent.members[r].remote; });
     if (!mine) continue;
     auto child = std::make_shared<Comm>();
-    child->serial = ++comm_serial;
+    child->serial = ++communicators.serial;
     child->name = parent.name + "." + std::to_string(color);
     child->nranks = static_cast<int>(ranks.size());
     if (parent.spans_nodes()) {
@@ -428,8 +428,8 @@ void Engine::Impl::make_split_children(Locked lk, const std::shared_ptr<Comm>& c
       m.pid = pm.pid;
       m.remote = pm.remote;
       if (!m.remote) {
-        m.handle = next_handle++;
-        handles[m.handle] = {child, i};
+        m.handle = communicators.next_handle++;
+        communicators.by_handle[m.handle] = {child, i};
         ++child->local_count;
         info[ranks[i]] = CommInfo{m.handle, static_cast<std::uint32_t>(i),
                                   static_cast<std::uint32_t>(child->nranks), child->name};
