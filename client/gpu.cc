@@ -622,7 +622,7 @@ class StreamSubmit final : public GpuSubmit {
     }
     {
       // The daemon sees only the staging: the layout check it makes of
-      // buffers it maps (engine_impl.h, check_buffers) is made here.
+      // buffers it maps (engine/validate.cc, check_overlap) is made here.
       const auto sp = reinterpret_cast<std::uintptr_t>(send),
                  rp = reinterpret_cast<std::uintptr_t>(recv);
       if (send_bytes > 0 && recv_bytes > 0 && sp < rp + recv_bytes && rp < sp + send_bytes) {

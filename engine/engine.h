@@ -144,7 +144,7 @@ class Engine {
   /// Every communicator with its ranks and in-flight operations (status).
   std::vector<CommSnapshot> snapshot() const;
 
-  // ---- communicators that span nodes (engine_nodes.cc) ----
+  // ---- communicators that span nodes (across_nodes.cc) ----
 
   /// The network to other nodes' daemons; null (the default): single node only.
   /// Set before serving; `transport` must outlive the engine's use of it.
