@@ -1,6 +1,6 @@
 // InPieces, the pieces of a staged operation's input as the host collective
 // waits for them: what its poll() reads from the clients' ready words (the
-// fiber's own reads, engine_nodes.cc wait_pieces) against what the
+// fiber's own reads, EngineChannel::wait_pieces in engine_channel.cc) against what the
 // completion thread reports (arrived). No GPU: the words are host memory, as
 // the clients' flag pages are.
 #include "engine/gpu/executor.h"
