@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "ipc/version.h"
 
@@ -119,6 +120,33 @@ bool hot(wire::Message::Which w) {
 }
 }  // namespace
 
+// One turn of waiting for room in the ring. A session the daemon ended
+// (it is stopping, or dropped this client) fails with the daemon's reason
+// rather than a timeout: a full ring is then never drained.
+void Connection::wait_for_ring(Clock::time_point deadline) {
+  {
+    std::lock_guard lock(state_mutex_);
+    if (broken_) throw *broken_;
+  }
+  pollfd p{fd_.get(), POLLRDHUP, 0};
+  if (::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) {
+    const Error closed(Code::unavailable, "collectived closed the connection on " + socket_path_ +
+                                              " (the daemon stopped or dropped this client)");
+    // Another thread may be the socket's reader: it records the daemon's
+    // reason (sent just before the close) in a moment.
+    const auto until = std::min(deadline, Clock::now() + std::chrono::milliseconds(500));
+    for (;;) {
+      Error e = session_error_or(closed);
+      if (e.code() != Code::unavailable || Clock::now() >= until) throw e;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  if (Clock::now() >= deadline) {
+    throw Error(Code::timeout, "the daemon did not take submissions from the ring");
+  }
+  sched_yield();
+}
+
 std::uint64_t Connection::send_request(capnp::MessageBuilder& request, std::span<const int> fds,
                                        Clock::time_point deadline) {
   {
@@ -136,10 +164,7 @@ std::uint64_t Connection::send_request(capnp::MessageBuilder& request, std::span
       // Operations of a communicator are ordered by arrival, so a full ring
       // is waited out, never bypassed through the socket.
       while (!ipc::RingView::push(h.sq_head, h.sq_tail, ring_.sq_slot(h.sq_tail.load()), frame)) {
-        if (Clock::now() >= deadline) {
-          throw Error(Code::timeout, "the daemon did not take submissions from the ring");
-        }
-        sched_yield();
+        wait_for_ring(deadline);
       }
       if (h.daemon_sleeping.load(std::memory_order_seq_cst) != 0) {
         const std::uint64_t one = 1;
@@ -149,12 +174,7 @@ std::uint64_t Connection::send_request(capnp::MessageBuilder& request, std::span
     }
     // Too large for a slot: let the ring empty first, so that this request
     // cannot overtake earlier ones; its reply still comes through the ring.
-    while (h.sq_head.load(std::memory_order_acquire) != h.sq_tail.load()) {
-      if (Clock::now() >= deadline) {
-        throw Error(Code::timeout, "the daemon did not take submissions from the ring");
-      }
-      sched_yield();
-    }
+    while (h.sq_head.load(std::memory_order_acquire) != h.sq_tail.load()) wait_for_ring(deadline);
     root.setId(id & ~ipc::kRingRequestBit);
     frame = ipc::encode_frame(request);
     try {

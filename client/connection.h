@@ -77,6 +77,9 @@ class Connection {
   /// in short slices, checking the socket between them. Asleep, it is woken
   /// for the completion of `id` only, unless other threads wait too.
   void wait_ring(Clock::time_point deadline, std::uint64_t id);
+  /// One turn of waiting for room in the submission ring (throws the
+  /// session's end, or a timeout past `deadline`).
+  void wait_for_ring(Clock::time_point deadline);
   void read_once(Clock::time_point deadline);
   /// Takes the reader role (state_mutex_ held by `lock`, no reader active),
   /// runs `read` unlocked, records a failure as the connection's error.

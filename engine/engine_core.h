@@ -153,10 +153,13 @@ struct Engine::Impl {
   static void remove_work(Locked, Member& m, const std::function<bool(const Work&)>& pred);
   void observe_slot(Locked, const Comm& comm, const Slot& slot, Code code) const;
   void observe_group(Locked, const Comm& comm, const Group& g, Code code) const;
+  /// Answers every rank's part with the failure. `unqueue` false: the caller
+  /// takes the slot's work out of the ranks' queues itself (break_comm, once
+  /// for all the slots it fails).
   void fail_slot(Locked, Comm& comm, Slot& slot, Code code, const std::string& reason,
-                 Deliveries& out);
+                 Deliveries& out, bool unqueue = true);
   void fail_group(Locked, Comm& comm, Group& g, Code code, const std::string& reason,
-                  Deliveries& out);
+                  Deliveries& out, bool unqueue = true);
   using SlotIt = std::map<std::uint64_t, Slot>::iterator;
   /// Forgets a finished slot; other nodes' late messages for it are dropped.
   SlotIt end_slot(Locked, Comm& comm, SlotIt it);

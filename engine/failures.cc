@@ -66,7 +66,7 @@ void Engine::Impl::observe_group(Locked, const Comm& comm, const Group& g, Code 
 // ---- failing -----------------------------------------------------------------------------
 
 void Engine::Impl::fail_slot(Locked lk, Comm& comm, Slot& slot, Code code, const std::string& reason,
-                             Deliveries& out) {
+                             Deliveries& out, bool unqueue) {
   if (!slot.failed) observe_slot(lk, comm, slot, code);
   slot.failed = true;
   slot.failure = error(code, reason, slot.seq);
@@ -81,14 +81,16 @@ void Engine::Impl::fail_slot(Locked lk, Comm& comm, Slot& slot, Code code, const
     part.send = {};
     part.recv = {};
     part.gpu_sync.reset();  // releases the client's stream (its flag is written)
-    remove_work(lk, comm.members[r], [&](const Work& w) {
-      return w.type == Work::Type::slot && w.seq == slot.seq;
-    });
+    if (unqueue) {
+      remove_work(lk, comm.members[r], [&](const Work& w) {
+        return w.type == Work::Type::slot && w.seq == slot.seq;
+      });
+    }
   }
 }
 
 void Engine::Impl::fail_group(Locked lk, Comm& comm, Group& g, Code code, const std::string& reason,
-                              Deliveries& out) {
+                              Deliveries& out, bool unqueue) {
   if (g.failed || g.answered) return;
   observe_group(lk, comm, g, code);
   g.failed = true;
@@ -98,8 +100,10 @@ void Engine::Impl::fail_group(Locked lk, Comm& comm, Group& g, Code code, const 
                        "send/recv group (seq " + std::to_string(g.seq) + ") on " +
                            comm.where(g.rank) + ": " + reason,
                        g.seq)});
-  remove_work(lk, comm.members[g.rank],
-              [&](const Work& w) { return w.type == Work::Type::group && w.group.get() == &g; });
+  if (unqueue) {
+    remove_work(lk, comm.members[g.rank],
+                [&](const Work& w) { return w.type == Work::Type::group && w.group.get() == &g; });
+  }
   drop_gpu(lk, g);
 }
 
@@ -126,15 +130,21 @@ void Engine::Impl::break_comm(Locked lk, Comm& comm, Code code, const std::strin
     comm.broken_floor = floor;
   }
   floor = comm.broken_floor;
+  // The queues are cleared once at the end, not once per failed operation: a
+  // daemon stopping under thousands of non-blocking submissions spent minutes
+  // in that quadratic loop, past systemd's stop timeout.
+  std::vector<std::uint64_t> failed;  // ascending, as the map is
   for (auto it = comm.slots.begin(); it != comm.slots.end();) {
     if (!it->second.started && it->first >= floor) {
-      if (!it->second.failed) fail_slot(lk, comm, it->second, code, reason, out);
+      if (!it->second.failed) fail_slot(lk, comm, it->second, code, reason, out, false);
+      failed.push_back(it->first);
       it = end_slot(lk, comm, it);
     } else {
       ++it;
     }
   }
   for (auto& m : comm.members) {
+    std::vector<const Group*> gone;
     std::vector<std::shared_ptr<Group>> groups;
     for (auto& w : m.queue) {
       if (w.type == Work::Type::group) groups.push_back(w.group);
@@ -142,8 +152,17 @@ void Engine::Impl::break_comm(Locked lk, Comm& comm, Code code, const std::strin
     for (auto& g : groups) {
       const bool running = std::any_of(g->items.begin(), g->items.end(),
                                        [](const P2PItem& i) { return i.started; });
-      if (!running) fail_group(lk, comm, *g, code, reason, out);
+      if (running || g->failed || g->answered) continue;
+      fail_group(lk, comm, *g, code, reason, out, false);
+      gone.push_back(g.get());
     }
+    std::sort(gone.begin(), gone.end());
+    if (failed.empty() && gone.empty()) continue;
+    remove_work(lk, m, [&](const Work& w) {
+      if (w.type == Work::Type::slot) return std::binary_search(failed.begin(), failed.end(), w.seq);
+      return w.type == Work::Type::group &&
+             std::binary_search(gone.begin(), gone.end(), static_cast<const Group*>(w.group.get()));
+    });
   }
 }
 

@@ -1,6 +1,7 @@
 // The collectived executable: command line, profiles, systemd notifications,
 // signals, credentials. Real daemon processes throughout.
 #include <doctest/doctest.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -111,6 +112,41 @@ TEST_CASE("SIGTERM fails connected clients with an error and exits 0 within the 
     CHECK(error_message(*f).find("is stopping (SIGTERM)") != std::string::npos);
   }
   CHECK(::access(d.socket().c_str(), F_OK) != 0);  // socket file removed
+}
+
+TEST_CASE("SIGTERM under thousands of queued non-blocking operations: exit 0, clients told why") {
+  Daemon d({.overrides = {"deadlines.shutdown_ms=2000"}});
+  TempDir dir;
+  const std::string out = dir.path() + "/perf.out";
+  // collective-perf submits every iteration before it waits, as nccl-tests
+  // does on a stream: a few seconds in, thousands are queued in the daemon.
+  Child perf([&] {
+    const int fd = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    ::setenv("COLLECTIVED_SOCKET", d.socket().c_str(), 1);
+    const std::string bin = perf_binary();
+    ::execl(bin.c_str(), bin.c_str(), "-t", "2", "-b", "64K", "-e", "64K", "-n", "1000000", "-w",
+            "0", "-c", "0", static_cast<char*>(nullptr));
+    return 127;
+  });
+  std::this_thread::sleep_for(3s);
+  std::chrono::milliseconds took{};
+  auto s = d.terminate(20s, &took);
+  CHECK(s.exited);
+  CHECK(s.code == 0);
+  CHECK(took < 3s);
+  auto p = perf.wait(10s);
+  CHECK(p.exited);
+  CHECK(p.code == 3);
+  // Each rank fails at once, naming the daemon's stop or the closed session
+  // (the reason frame can be cut off behind the flood of failed completions),
+  // not a submission timeout.
+  const std::string text = read_file(out);
+  INFO(text);
+  CHECK((text.find("is stopping (SIGTERM)") != std::string::npos ||
+         text.find("collectived closed the connection") != std::string::npos));
+  CHECK(text.find("did not take submissions") == std::string::npos);
 }
 
 TEST_CASE("SIGTERM with a client that does not read still exits within the deadline") {
