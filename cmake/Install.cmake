@@ -19,6 +19,8 @@ if(TARGET nccl_shim)
   install(TARGETS nccl_shim LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}/collectived/nccl NAMELINK_SKIP)
 endif()
 
+# Read at configure time: an edit of the unit configures again.
+set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/systemd/collectived.service)
 file(READ ${PROJECT_SOURCE_DIR}/systemd/collectived.service unit)
 string(REPLACE "/usr/local/bin/collectived" "${CMAKE_INSTALL_FULL_BINDIR}/collectived" unit "${unit}")
 string(REPLACE "/etc/collectived/" "${CMAKE_INSTALL_FULL_SYSCONFDIR}/collectived/" unit "${unit}")
