@@ -59,7 +59,9 @@ engine::EngineOptions engine_options(const config::Profile& p, engine::EngineObs
 
 engine::NodeAlgorithmOptions node_algorithms(const config::Profile& p) {
   engine::NodeAlgorithmOptions o;
-  o.algorithm = p.collectives.algorithm;
+  // The profile accepts only the names the engine parses (kAlgorithms).
+  o.algorithm = engine::parse_algorithm_override(p.collectives.algorithm)
+                    .value_or(engine::AlgorithmOverride::automatic);
   o.direct_max_bytes = p.collectives.direct_max_bytes;
   o.pairwise_max_nodes = static_cast<int>(p.collectives.pairwise_max_nodes);
   o.input_poll = p.workers.event_loop_spin;

@@ -134,12 +134,10 @@ void Engine::Impl::send_slot_failed(Locked, Comm& comm, std::uint64_t seq, Code 
 }
 
 NodeRun Engine::Impl::plan_node_run(const Comm& comm, const Desc& desc,
-                                    const NodeAlgorithmOptions& options,
-                                    AlgorithmOverride forced) {
+                                    const NodeAlgorithmOptions& options) {
   const int nodes = static_cast<int>(comm.node_address.size());
   NodeRun run;
   run.plan = node_plan(desc.kind, desc.count, desc.dtype, comm.nranks, nodes, options);
-  run.forced = forced;
   // Every rank of this node counts, whatever its memory: the host collective
   // runs over all of them.
   const std::uint64_t one = desc.count * dtype_size(desc.dtype);
@@ -328,7 +326,7 @@ void Engine::Impl::exchange_across(const std::shared_ptr<Comm>& cp, std::uint64_
                                      {"algorithm", a.run.plan.name()},
                                      {"chunk_bytes", a.run.plan.chunk}});
       }
-      run_node_collective(ch, op, *a.algorithms, 0);
+      run_node_collective(ch, op, a.run.plan, *a.algorithms, 0);
       ch.await_inputs();
     }
   } catch (const Error& e) {

@@ -381,8 +381,8 @@ TEST_CASE("across nodes: a node that goes away breaks what spans it, naming it")
 TEST_CASE("across nodes: profiles that disagree on the algorithm fail the operation at once") {
   Cluster c(2);
   NodeAlgorithmOptions direct, pairwise;
-  direct.algorithm = "direct";
-  pairwise.algorithm = "pairwise";
+  direct.algorithm = AlgorithmOverride::direct;
+  pairwise.algorithm = AlgorithmOverride::pairwise;
   c.nodes[0]->engine.set_node_algorithms(direct);
   c.nodes[1]->engine.set_node_algorithms(pairwise);
   c.join({0, 1});

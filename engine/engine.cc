@@ -103,14 +103,8 @@ void Engine::set_node_runner(std::function<void(std::function<void()>)> post) {
 
 void Engine::set_node_algorithms(const NodeAlgorithmOptions& options) {
   auto next = std::make_shared<const NodeAlgorithmOptions>(options);
-  // Parsed here, once (the profile has validated it already).
-  const auto forced = parse_algorithm_override(options.algorithm);
-  if (!forced) {
-    impl_->log.warn("node_algorithm_unknown", {{"algorithm", options.algorithm}});
-  }
   EngineLock lock(impl_->mu);
   impl_->nodes.algorithms = std::move(next);
-  impl_->nodes.algorithm_override = forced.value_or(AlgorithmOverride::none);
 }
 
 void Engine::node_message(const std::string& peer, MessageBytes message) {

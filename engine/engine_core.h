@@ -69,8 +69,6 @@ struct Engine::Impl {
     /// algorithm halfway or race its reads.
     std::shared_ptr<const NodeAlgorithmOptions> algorithms =
         std::make_shared<const NodeAlgorithmOptions>();
-    /// Its collectives.algorithm, parsed once (set_node_algorithms).
-    AlgorithmOverride algorithm_override = AlgorithmOverride::none;
     std::map<std::string, InboxRef> inboxes;  // uid -> inbox and the communicator using it
     std::shared_ptr<NodeRunner> runner = std::make_shared<NodeRunner>();
     std::vector<std::weak_ptr<Executor>> executors;  // every one made (pruned when woken)
@@ -232,7 +230,7 @@ struct Engine::Impl {
   /// The plan of an operation across nodes and what its runner needs beyond
   /// it, decided once at submission (Slot::run).
   static NodeRun plan_node_run(const Comm& comm, const Desc& desc,
-                               const NodeAlgorithmOptions& options, AlgorithmOverride forced);
+                               const NodeAlgorithmOptions& options);
   /// Sends `message` to the node at `address`; a failure breaks what spans
   /// that node. `also` (optional) hears the outcome too.
   void send_node(const std::string& address, OutMessage message,

@@ -486,7 +486,7 @@ TEST_CASE("collectives.algorithm parses once into its enum, and back") {
     REQUIRE(forced);
     CHECK(to_string(*forced) == name);
   }
-  CHECK(parse_algorithm_override("auto") == AlgorithmOverride::none);
+  CHECK(parse_algorithm_override("auto") == AlgorithmOverride::automatic);
   CHECK_FALSE(parse_algorithm_override("rings"));
   CHECK_FALSE(parse_algorithm_override(""));
 }

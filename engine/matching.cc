@@ -135,7 +135,7 @@ void Engine::Impl::submit_part(Locked lk, const ClientRef& client, std::uint64_t
     slot.desc_rank = rank;
     if (comm.spans_nodes()) {
       slot.algorithms = nodes.algorithms;
-      slot.run = plan_node_run(comm, desc, *slot.algorithms, nodes.algorithm_override);
+      slot.run = plan_node_run(comm, desc, *slot.algorithms);
       // Other nodes may have sent their view of this operation already.
       if (!check_remote_desc(lk, comm, seq, out)) return;
     }

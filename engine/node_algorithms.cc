@@ -1,7 +1,9 @@
 // The runner: one collective on this node. It combines the local ranks'
-// inputs, hands the exchange between nodes to the algorithm the selector
-// chose (engine/algorithms/selector.h; each algorithm in its own file under
-// engine/algorithms/), and writes every local rank's output. The local
+// inputs, hands the exchange between nodes to the algorithm its plan names
+// (made once by the selector, engine/algorithms/selector.cc; each algorithm
+// in its own file under engine/algorithms/), and writes every local rank's
+// output. It dispatches on plan.algorithm alone: no size or override is
+// looked at again here. The local
 // passes are here because they depend on the operation's shape (one rank on
 // the node or several, in place or not), not on the algorithm.
 #include "engine/node_algorithms.h"
@@ -17,7 +19,6 @@
 #include "engine/algorithms/passes.h"
 #include "engine/algorithms/recursive_doubling.h"
 #include "engine/algorithms/ring.h"
-#include "engine/algorithms/selector.h"
 #include "engine/algorithms/tree.h"
 #include "engine/reduce.h"
 #include "ipc/error.h"
@@ -38,11 +39,12 @@ constexpr std::uint64_t kOwnCopyAsyncBytes = std::uint64_t{256} << 10;
 /// that serves the peers when large (offload); per-chunk work stays where
 /// the chunk is.
 struct Run {
-  Run(NodeChannel& channel, const NodeCollective& o, const NodeAlgorithmOptions& opts,
-      std::uint64_t base)
+  Run(NodeChannel& channel, const NodeCollective& o, NodeAlgorithm a,
+      const NodeAlgorithmOptions& opts, std::uint64_t base)
       : ch(channel),
         op(o),
         options(opts),
+        algorithm(a),
         algo(channel, opts, base),
         n(channel.nodes()),
         me(channel.node()),
@@ -89,9 +91,16 @@ struct Run {
     });
   }
 
+  /// A plan that names no algorithm of this kind: a bug, never a hang.
+  [[noreturn]] void unplanned() const {
+    throw Error(Code::internal, "no " + std::string(to_string(algorithm)) + " algorithm for " +
+                                    std::string(to_string(op.kind)) + " between nodes");
+  }
+
   NodeChannel& ch;
   const NodeCollective& op;
   const NodeAlgorithmOptions& options;
+  const NodeAlgorithm algorithm;  ///< the plan's
   Context algo;
   const int n, me;
   const std::size_t es;
@@ -125,15 +134,13 @@ void pairwise_all_reduce(Run& r, std::byte* w, const std::vector<Segment>& segs,
 }
 
 void run_all_reduce(Run& r) {
+  using A = NodeAlgorithm;
   std::byte* w = r.L[0].recv;
   const auto segs = even_segments(r.op.count, r.es, r.n);
   // One rank on the node, pairwise: no local pass (pairwise_all_reduce).
-  const bool pairwise = large_pairwise(r.one, r.n, r.options);
-  const bool one_rank =
-      r.L.size() == 1 && !use_direct(r.one, r.options) && pairwise && segs[r.me].size() <= 1;
+  const bool one_rank = r.L.size() == 1 && r.algorithm == A::pairwise && segs[r.me].size() <= 1;
   // One rank, ring: its input is reduced where it is (ring_reduce_scatter).
-  const bool ring_one = r.L.size() == 1 && choose_node_algorithm(r.op.kind, r.one, r.n,
-                                                                 r.options) == NodeAlgorithm::ring;
+  const bool ring_one = r.L.size() == 1 && r.algorithm == A::ring;
   if (!one_rank && !ring_one) {
     // The direct one reads the whole input here, in whatever pieces it
     // arrives (reads_input_in_pieces).
@@ -141,16 +148,19 @@ void run_all_reduce(Run& r) {
     r.local_reduce(w, r.one);
   }
   r.algo.tell_final(r.tell);
-  if (r.n > 1 && use_tree(r.op.kind, r.one, r.n, r.options)) {
-    recursive_doubling_all_reduce(r.algo, w, r.one, r.op.dtype, r.combine, 1);
-  } else if (use_direct(r.one, r.options)) {
-    if (r.n > 1) direct_all_reduce(r.algo, w, r.one, r.op.dtype, r.combine, 1);
-  } else if (pairwise) {
-    pairwise_all_reduce(r, w, segs, one_rank);
-  } else {
-    ring_reduce_scatter(r.algo, w, segs, r.op.dtype, r.combine, 1,
-                        ring_one ? r.L[0].send : nullptr);
-    ring_all_gather(r.algo, w, segs, 2);
+  switch (r.algorithm) {
+    case A::none: break;
+    case A::recursive_doubling:
+      recursive_doubling_all_reduce(r.algo, w, r.one, r.op.dtype, r.combine, 1);
+      break;
+    case A::direct: direct_all_reduce(r.algo, w, r.one, r.op.dtype, r.combine, 1); break;
+    case A::pairwise: pairwise_all_reduce(r, w, segs, one_rank); break;
+    case A::ring:
+      ring_reduce_scatter(r.algo, w, segs, r.op.dtype, r.combine, 1,
+                          ring_one ? r.L[0].send : nullptr);
+      ring_all_gather(r.algo, w, segs, 2);
+      break;
+    default: r.unplanned();
   }
   if (r.op.redop == RedOp::avg) r.ch.flush();  // `w` went out in place; divided next
   r.finish_avg(w, r.one);
@@ -200,11 +210,15 @@ void pairwise_all_gather_one_rank(Run& r, std::byte* w, const std::vector<Segmen
 }
 
 void run_all_gather(Run& r) {
+  using A = NodeAlgorithm;
   std::byte* w = r.L[0].recv;
   const auto segs = rank_segments(r.op.node_of_rank, r.one, r.n);
   r.algo.tell_final(r.tell);
-  const GatherKind kind = all_gather_kind(r.one * r.op.nranks, r.n, r.options);
-  if (r.L.size() == 1 && kind == GatherKind::ring) {
+  if (r.algorithm != A::none && r.algorithm != A::direct && r.algorithm != A::pairwise &&
+      r.algorithm != A::ring) {
+    r.unplanned();
+  }
+  if (r.L.size() == 1 && r.algorithm == A::ring) {
     // One rank: its input goes to the right from where it is, and its
     // copy into the output follows that send (not before it).
     ring_all_gather_send(r.algo, w, segs, 1, r.L[0].send);
@@ -213,15 +227,16 @@ void run_all_gather(Run& r) {
     ring_all_gather_recv(r.algo, w, segs, 1);
     return;
   }
-  if (r.L.size() == 1 && kind == GatherKind::pairwise) {
+  if (r.L.size() == 1 && r.algorithm == A::pairwise) {
     pairwise_all_gather_one_rank(r, w, segs);
     return;
   }
   copy_own(r, w);
-  switch (kind) {
-    case GatherKind::direct: direct_all_gather(r.algo, w, segs, 1); break;
-    case GatherKind::pairwise: pairwise_all_gather(r.algo, w, segs, 1); break;
-    case GatherKind::ring: ring_all_gather(r.algo, w, segs, 1); break;
+  switch (r.algorithm) {
+    case A::direct: direct_all_gather(r.algo, w, segs, 1); break;
+    case A::pairwise: pairwise_all_gather(r.algo, w, segs, 1); break;
+    case A::ring: ring_all_gather(r.algo, w, segs, 1); break;
+    default: break;  // none: this node's ranks are all
   }
   r.copy_to_others(w, r.one * r.op.nranks);
 }
@@ -236,10 +251,14 @@ void run_reduce_scatter(Run& r) {
                 "per node, two nodes and the pairwise algorithm; here node " +
                     std::to_string(r.me) + " of " + std::to_string(r.n) + " has " +
                     std::to_string(r.L.size()) + " ranks, collectives.algorithm " +
-                    r.options.algorithm);
+                    std::string(to_string(r.options.algorithm)));
+  }
+  using A = NodeAlgorithm;
+  if (r.algorithm != A::none && r.algorithm != A::pairwise && r.algorithm != A::ring) {
+    r.unplanned();
   }
   const auto segs = [&] { return rank_segments(r.op.node_of_rank, one, r.n); };
-  const bool pairwise = scatter_pairwise(one, r.n, r.options);
+  const bool pairwise = r.algorithm == A::pairwise;
   if (r.L.size() == 1 && pairwise) {
     // One rank: its input is read in place and its segment reduced
     // straight into its output (no scratch, no copies). Its own
@@ -255,7 +274,7 @@ void run_reduce_scatter(Run& r) {
   if (pairwise) {
     r.local_reduce(t, total);
     pairwise_reduce_scatter(r.algo, t, segs(), r.op.dtype, r.combine, 1);
-  } else if (r.L.size() == 1 && r.n > 1) {
+  } else if (r.L.size() == 1 && r.algorithm == A::ring) {
     // One rank: its input is reduced where it is (no copy into `t`
     // first), and its segment straight into its output (no copy after).
     r.algo.tell_final(r.tell);
@@ -264,7 +283,7 @@ void run_reduce_scatter(Run& r) {
     return;
   } else {
     r.local_reduce(t, total);
-    ring_reduce_scatter(r.algo, t, segs(), r.op.dtype, r.combine, 1);
+    if (r.algorithm == A::ring) ring_reduce_scatter(r.algo, t, segs(), r.op.dtype, r.combine, 1);
   }
   r.pass(one * r.L.size(), [&] {
     for (const auto& b : r.L) copy_bytes(b.recv, t + b.rank * one, one);
@@ -283,12 +302,12 @@ void run_broadcast(Run& r) {
     src = r.L[0].recv;
   }
   r.algo.tell_final(r.tell && root_node != r.me);  // the root node only sends
-  if (r.n > 1 && use_tree(r.op.kind, r.one, r.n, r.options)) {
-    tree_broadcast(r.algo, src, r.one, root_node, 1);
-  } else if (use_direct(r.one, r.options)) {
-    direct_broadcast(r.algo, src, r.one, root_node, 1);
-  } else {
-    chain_broadcast(r.algo, src, r.one, root_node, 1);
+  switch (r.algorithm) {
+    case NodeAlgorithm::none: break;
+    case NodeAlgorithm::tree: tree_broadcast(r.algo, src, r.one, root_node, 1); break;
+    case NodeAlgorithm::direct: direct_broadcast(r.algo, src, r.one, root_node, 1); break;
+    case NodeAlgorithm::chain: chain_broadcast(r.algo, src, r.one, root_node, 1); break;
+    default: r.unplanned();
   }
   r.pass(r.one * r.L.size(), [&] {
     for (const auto& b : r.L) copy_bytes(b.recv, src, r.one);
@@ -305,24 +324,28 @@ void run_reduce(Run& r) {
   } else {
     t = r.ch.scratch(r.one);
   }
+  if (r.algorithm != NodeAlgorithm::none && r.algorithm != NodeAlgorithm::tree &&
+      r.algorithm != NodeAlgorithm::chain) {
+    r.unplanned();
+  }
   r.local_reduce(t, r.one);
   r.algo.tell_final(r.tell && root_node == r.me);  // elsewhere `t` is scratch
-  if (r.n > 1 && use_tree(r.op.kind, r.one, r.n, r.options)) {
+  if (r.algorithm == NodeAlgorithm::tree) {
     tree_reduce(r.algo, t, r.one, root_node, r.op.dtype, r.combine, 1);
-  } else {
+  } else if (r.algorithm == NodeAlgorithm::chain) {
     chain_reduce(r.algo, t, r.one, root_node, r.op.dtype, r.combine, 1);
   }
   if (root_node == r.me) r.finish_avg(t, r.one);
 }
 
-void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
+void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op, NodeAlgorithm a,
                                    const NodeAlgorithmOptions& options, std::uint64_t base) {
   if (op.local.empty()) throw Error(Code::internal, "a node collective without local ranks");
   if (op.own_contribution_elsewhere && op.kind != OpKind::reduce_scatter) {
     throw Error(Code::invalid_argument,
                 "only a reduce-scatter leaves its own contribution to the client");
   }
-  Run r(ch, op, options, base);
+  Run r(ch, op, a, options, base);
   // An operation of zero bytes still meets every other node once, so that a
   // node whose ranks disagree (a non-zero count, another operation) is told.
   if (r.one == 0 && op.kind != OpKind::barrier) {
@@ -336,7 +359,10 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
     case OpKind::reduce_scatter: run_reduce_scatter(r); return;
     case OpKind::broadcast: run_broadcast(r); return;
     case OpKind::reduce: run_reduce(r); return;
-    case OpKind::all_to_all: exchange_all_to_all(r.algo, op, r.one); return;
+    case OpKind::all_to_all:
+      if (a != NodeAlgorithm::exchange && a != NodeAlgorithm::none) r.unplanned();
+      exchange_all_to_all(r.algo, op, r.one);
+      return;
     default:
       throw Error(Code::internal, "no node algorithm for " + std::string(to_string(op.kind)));
   }
@@ -344,12 +370,18 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op,
 
 }  // namespace
 
-void run_node_collective(NodeChannel& ch, const NodeCollective& op,
+void run_node_collective(NodeChannel& ch, const NodeCollective& op, const NodePlan& plan,
                          const NodeAlgorithmOptions& options, std::uint64_t base) {
-  run_node_collective_unflushed(ch, op, options, base);
+  run_node_collective_unflushed(ch, op, plan.algorithm, options, base);
   // Sends read the ranks' buffers in place: the operation is complete (and
   // the buffers are the clients' again) only once every send has left.
   ch.flush();
+}
+
+void run_node_collective(NodeChannel& ch, const NodeCollective& op,
+                         const NodeAlgorithmOptions& options, std::uint64_t base) {
+  run_node_collective(ch, op, node_plan(op.kind, op.count, op.dtype, op.nranks, ch.nodes(), options),
+                      options, base);
 }
 
 }  // namespace collectived::engine

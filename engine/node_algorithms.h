@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -49,6 +50,15 @@
 #include "engine/op.h"
 
 namespace collectived::engine {
+
+/// collectives.algorithm, the profile's override of the choice between
+/// nodes: parsed once, where the daemon reads the profile.
+enum class AlgorithmOverride : std::uint8_t { automatic, ring, pairwise, direct, tree };
+
+/// "auto" -> automatic, "ring", "pairwise", "direct", "tree"; nullopt otherwise.
+std::optional<AlgorithmOverride> parse_algorithm_override(std::string_view name);
+/// The profile's spelling ("auto" for automatic).
+std::string_view to_string(AlgorithmOverride forced);
 
 struct NodeAlgorithmOptions {
   /// Transfers are cut in chunks of this size (a multiple of 64 bytes).
@@ -63,9 +73,8 @@ struct NodeAlgorithmOptions {
   /// the ring's bytes in one step instead of N-1), larger ones the ring;
   /// below it, broadcast and reduce take trees on more nodes than this.
   int pairwise_max_nodes = 4;
-  /// "auto" (by size and nodes), "ring", "pairwise", "direct" or "tree": the
-  /// profile's override.
-  std::string algorithm = "auto";
+  /// By size and nodes (automatic), or the profile's override.
+  AlgorithmOverride algorithm = AlgorithmOverride::automatic;
   /// How long an operation waiting for its local ranks' input pieces reads
   /// their ready words itself before it sleeps until the completion thread
   /// wakes it: as long as the event loop polls before sleeping
@@ -188,8 +197,13 @@ struct NodeCollective {
 };
 
 /// Runs `op` on this node: local combine, exchange with the other nodes over
-/// `channel`, local outputs. Tags are taken from `tag_base` upwards (the
-/// caller gives each operation its own base). Throws Error from the channel.
+/// `channel` by `plan.algorithm` (node_plan's, made once: the runner decides
+/// nothing again), local outputs. Tags are taken from `tag_base` upwards (the
+/// caller gives each operation its own base). Throws Error from the channel,
+/// and Code::internal for a plan that names no algorithm of the op's kind.
+void run_node_collective(NodeChannel& channel, const NodeCollective& op, const NodePlan& plan,
+                         const NodeAlgorithmOptions& options, std::uint64_t tag_base = 0);
+/// The same under the plan node_plan() makes for `op` here (tests).
 void run_node_collective(NodeChannel& channel, const NodeCollective& op,
                          const NodeAlgorithmOptions& options, std::uint64_t tag_base = 0);
 

@@ -380,8 +380,12 @@ int run(const std::vector<int>& node_of_rank, const Case& c, const NodeAlgorithm
                                (algorithm == "direct" || algorithm == "recursive_doubling");
     const bool sends_only = (c.kind == OpKind::broadcast && root_node == j) ||
                             (c.kind == OpKind::reduce && root_node != j);
-    if (c.kind == OpKind::all_to_all || c.kind == OpKind::barrier || direct_reduce || sends_only ||
-        one == 0) {
+    if (nodes == 1) {
+      // No exchange: outputs are final at the end (an all-gather's own copy
+      // is told as it lands).
+      CHECK((sum == 0 || sum == b.recv_bytes));
+    } else if (c.kind == OpKind::all_to_all || c.kind == OpKind::barrier || direct_reduce ||
+               sends_only || one == 0) {
       CHECK(sum == 0);
     } else {
       CHECK(sum == b.recv_bytes);
@@ -442,7 +446,7 @@ TEST_CASE("node algorithms match the reference for every layout, size and operat
     o.chunk_bytes = 256;       // many chunks per segment
     o.direct_max_bytes = 512;  // the direct path and a larger one
     o.pairwise_max_nodes = pairwise_max;
-    o.algorithm = algorithm;
+    o.algorithm = *parse_algorithm_override(algorithm);
     CAPTURE(algorithm);
     CAPTURE(pairwise_max);
     const OpKind kinds[] = {OpKind::all_reduce, OpKind::all_gather, OpKind::reduce_scatter,
@@ -468,6 +472,64 @@ TEST_CASE("node algorithms match the reference for every layout, size and operat
         }
       }
     }
+  }
+}
+
+TEST_CASE("one node: the plan is none, and the local passes alone give the reference under every "
+          "override") {
+  for (const char* algorithm : {"auto", "ring", "pairwise", "direct", "tree"}) {
+    NodeAlgorithmOptions o;
+    o.chunk_bytes = 256;
+    o.direct_max_bytes = 512;
+    o.algorithm = *parse_algorithm_override(algorithm);
+    CAPTURE(algorithm);
+    for (const std::vector<int>& layout : std::vector<std::vector<int>>{{0}, {0, 0, 0}}) {
+      for (OpKind k : {OpKind::all_reduce, OpKind::all_gather, OpKind::reduce_scatter,
+                       OpKind::broadcast, OpKind::reduce, OpKind::all_to_all, OpKind::barrier}) {
+        REQUIRE(node_plan(k, 1001, DType::int32, static_cast<int>(layout.size()), 1, o).algorithm ==
+                NodeAlgorithm::none);
+        for (std::uint64_t count : {0ull, 7ull, 1001ull}) {
+          for (bool in_place : {false, true}) {
+            for (RedOp op : {RedOp::sum, RedOp::avg}) {
+              CAPTURE(layout.size());
+              CAPTURE(k);
+              CAPTURE(count);
+              CAPTURE(in_place);
+              run(layout, Case{k, op, count, in_place, static_cast<int>(count % layout.size())}, o);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("the runner follows the plan: one naming no algorithm of the kind fails at once") {
+  Fabric fabric(2);
+  MemChannel ch(fabric, 0, 2);
+  std::vector<std::int32_t> buf(4, 1), out(4);
+  NodeCollective op;
+  op.dtype = DType::int32;
+  op.count = 4;
+  op.nranks = 2;
+  op.node_of_rank = {0, 1};
+  op.local.push_back(LocalBuffers{0, reinterpret_cast<std::byte*>(buf.data()), 16,
+                                  reinterpret_cast<std::byte*>(out.data()), 16});
+  for (auto [kind, algorithm] : std::vector<std::pair<OpKind, NodeAlgorithm>>{
+           {OpKind::all_reduce, NodeAlgorithm::chain},
+           {OpKind::all_gather, NodeAlgorithm::tree},
+           {OpKind::reduce_scatter, NodeAlgorithm::direct},
+           {OpKind::broadcast, NodeAlgorithm::ring},
+           {OpKind::reduce, NodeAlgorithm::pairwise},
+           {OpKind::all_to_all, NodeAlgorithm::ring},
+           {OpKind::all_reduce, NodeAlgorithm::unknown}}) {
+    CAPTURE(kind);
+    op.kind = kind;
+    NodePlan plan;
+    plan.algorithm = algorithm;
+    CHECK_THROWS_WITH_AS(run_node_collective(ch, op, plan, NodeAlgorithmOptions{}, 1000),
+                         doctest::Contains("between nodes"), Error);
+    CHECK(fabric.empty());
   }
 }
 
@@ -613,7 +675,7 @@ TEST_CASE("two nodes, one rank each: a reduce-scatter leaving its own contributi
     NodeAlgorithmOptions o;
     CHECK(reduce_scatter_own_elsewhere(2, o));
     CHECK_FALSE(reduce_scatter_own_elsewhere(3, o));
-    o.algorithm = "ring";
+    o.algorithm = AlgorithmOverride::ring;
     CHECK_FALSE(reduce_scatter_own_elsewhere(2, o));
     // A request that says so anyway fails before anything is sent.
     for (const auto& [layout, kind, algorithm] :
@@ -626,7 +688,7 @@ TEST_CASE("two nodes, one rank each: a reduce-scatter leaving its own contributi
       CAPTURE(kind);
       const int nodes = *std::max_element(layout.begin(), layout.end()) + 1;
       NodeAlgorithmOptions bad;
-      bad.algorithm = algorithm;
+      bad.algorithm = *parse_algorithm_override(algorithm);
       Fabric fabric(nodes);
       MemChannel ch(fabric, 0, nodes, 1);
       std::vector<std::int32_t> send(layout.size() * 64), recv(layout.size() * 64);

@@ -6,27 +6,13 @@
 #pragma once
 
 #include <cstdint>
-#include <optional>
-#include <string_view>
 
 #include "engine/node_algorithms.h"
 
 namespace collectived::engine {
 
-/// collectives.algorithm, the profile's override of the choice between
-/// nodes, parsed once where the engine takes the profile's options
-/// (Engine::set_node_algorithms).
-enum class AlgorithmOverride : std::uint8_t { none, ring, pairwise, direct, tree };
-
-/// "auto" -> none, "ring", "pairwise", "direct", "tree"; nullopt otherwise.
-std::optional<AlgorithmOverride> parse_algorithm_override(std::string_view name);
-/// The profile's spelling ("auto" for none).
-std::string_view to_string(AlgorithmOverride forced);
-
 struct NodeRun {
   NodePlan plan;
-  /// The override the plan was made under.
-  AlgorithmOverride forced = AlgorithmOverride::none;
   /// The runner reads the local input piece by piece, each read announced
   /// (reads_input_in_pieces): a staged GPU operation may then start before
   /// its inputs are all in host memory.

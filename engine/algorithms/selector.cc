@@ -32,14 +32,14 @@ constexpr std::uint64_t kRingAllGatherMinBytes = std::uint64_t{2} << 20;
 }  // namespace
 
 bool use_direct(std::uint64_t bytes, const NodeAlgorithmOptions& o) {
-  if (o.algorithm == "direct") return true;
-  if (o.algorithm == "ring" || o.algorithm == "pairwise" || o.algorithm == "tree") return false;
+  if (o.algorithm == AlgorithmOverride::direct) return true;
+  if (o.algorithm == AlgorithmOverride::ring || o.algorithm == AlgorithmOverride::pairwise || o.algorithm == AlgorithmOverride::tree) return false;
   return bytes <= o.direct_max_bytes;
 }
 
 bool use_pairwise(int nodes, const NodeAlgorithmOptions& o) {
-  if (o.algorithm == "pairwise") return true;
-  if (o.algorithm == "ring" || o.algorithm == "direct" || o.algorithm == "tree") return false;
+  if (o.algorithm == AlgorithmOverride::pairwise) return true;
+  if (o.algorithm == AlgorithmOverride::ring || o.algorithm == AlgorithmOverride::direct || o.algorithm == AlgorithmOverride::tree) return false;
   return nodes <= o.pairwise_max_nodes;
 }
 
@@ -51,7 +51,7 @@ bool use_pairwise(int nodes, const NodeAlgorithmOptions& o) {
 /// those keep pairwise (docs/architecture.md).
 bool large_pairwise(std::uint64_t bytes, int nodes, const NodeAlgorithmOptions& o) {
   return use_pairwise(nodes, o) &&
-         !(o.algorithm == "auto" && nodes >= kRingMinNodes && bytes >= kRingMinBytes);
+         !(o.algorithm == AlgorithmOverride::automatic && nodes >= kRingMinNodes && bytes >= kRingMinBytes);
 }
 
 /// Pairwise on up to pairwise_max_nodes nodes, and at every node count for
@@ -62,7 +62,7 @@ bool large_pairwise(std::uint64_t bytes, int nodes, const NodeAlgorithmOptions& 
 /// (large_pairwise): with one rank on the node the ring reduces the input
 /// where it is and the last step straight into the output.
 bool scatter_pairwise(std::uint64_t bytes, int nodes, const NodeAlgorithmOptions& o) {
-  const bool small = o.algorithm == "auto" &&
+  const bool small = o.algorithm == AlgorithmOverride::automatic &&
                      bytes <= std::min<std::uint64_t>(o.direct_max_bytes, kPairwiseScatterMaxBytes);
   return small || large_pairwise(bytes, nodes, o);
 }
@@ -77,8 +77,8 @@ bool scatter_pairwise(std::uint64_t bytes, int nodes, const NodeAlgorithmOptions
 /// the trees where it grows (docs/architecture.md). On 2 nodes recursive
 /// doubling is the direct exchange.
 bool use_tree(OpKind kind, std::uint64_t bytes, int nodes, const NodeAlgorithmOptions& o) {
-  if (o.algorithm == "tree") return true;
-  if (o.algorithm != "auto" || bytes > o.direct_max_bytes) return false;
+  if (o.algorithm == AlgorithmOverride::tree) return true;
+  if (o.algorithm != AlgorithmOverride::automatic || bytes > o.direct_max_bytes) return false;
   return kind == OpKind::all_reduce || nodes > o.pairwise_max_nodes;
 }
 
@@ -87,7 +87,7 @@ GatherKind all_gather_kind(std::uint64_t total, int nodes, const NodeAlgorithmOp
   if (!use_pairwise(nodes, o)) return GatherKind::ring;
   // Two nodes: the ring and the pairwise exchange are the same transfers.
   const std::uint64_t per_node = total / static_cast<std::uint64_t>(nodes);
-  if (o.algorithm == "auto" && nodes >= 3 && per_node >= kRingAllGatherMinBytes) {
+  if (o.algorithm == AlgorithmOverride::automatic && nodes >= 3 && per_node >= kRingAllGatherMinBytes) {
     return GatherKind::ring;
   }
   return GatherKind::pairwise;
@@ -158,6 +158,26 @@ NodeAlgorithm choose_node_algorithm(OpKind kind, std::uint64_t bytes, int nodes,
     case OpKind::reduce: return use_tree(kind, bytes, nodes, options) ? A::tree : A::chain;
     default: return A::exchange;
   }
+}
+
+std::optional<AlgorithmOverride> parse_algorithm_override(std::string_view name) {
+  if (name == "auto") return AlgorithmOverride::automatic;
+  if (name == "ring") return AlgorithmOverride::ring;
+  if (name == "pairwise") return AlgorithmOverride::pairwise;
+  if (name == "direct") return AlgorithmOverride::direct;
+  if (name == "tree") return AlgorithmOverride::tree;
+  return std::nullopt;
+}
+
+std::string_view to_string(AlgorithmOverride forced) {
+  switch (forced) {
+    case AlgorithmOverride::automatic: break;
+    case AlgorithmOverride::ring: return "ring";
+    case AlgorithmOverride::pairwise: return "pairwise";
+    case AlgorithmOverride::direct: return "direct";
+    case AlgorithmOverride::tree: return "tree";
+  }
+  return "auto";
 }
 
 std::string_view to_string(NodeAlgorithm algorithm) {

@@ -1,9 +1,9 @@
 // The one place that decides which algorithm between nodes an operation
 // takes: by its kind, its size and the number of nodes, and the profile's
 // collectives.* (NodeAlgorithmOptions). choose_node_algorithm and node_plan
-// (engine/node_algorithms.h) are built on the predicates here, and so is the
-// runner (engine/node_algorithms.cc), so that the plan on the wire and what
-// runs cannot drift apart.
+// (engine/node_algorithms.h) are built on the predicates here; the runner
+// (engine/node_algorithms.cc) dispatches on the plan alone, so that the plan
+// on the wire and what runs cannot drift apart.
 #pragma once
 
 #include <cstdint>

@@ -50,18 +50,18 @@ TEST_CASE("the algorithm choice follows the size and the profile's override") {
   CHECK(node_algorithm(OpKind::reduce, 1 << 20, 5, o) == "chain");
   CHECK(node_algorithm(OpKind::all_gather, 8, 64, o) ==
         "direct");  // one block per node: no more bytes
-  o.algorithm = "tree";
+  o.algorithm = AlgorithmOverride::tree;
   CHECK(node_algorithm(OpKind::all_reduce, 64 << 20, 2, o) == "recursive_doubling");
   CHECK(node_algorithm(OpKind::broadcast, 64 << 20, 2, o) == "tree");
   CHECK(node_algorithm(OpKind::reduce, 8, 2, o) == "tree");
   CHECK(node_algorithm(OpKind::all_gather, 8, 4, o) == "ring");
   CHECK(node_algorithm(OpKind::reduce_scatter, 8, 4, o) == "ring");
-  o.algorithm = "direct";
+  o.algorithm = AlgorithmOverride::direct;
   CHECK(node_algorithm(OpKind::all_reduce, 1 << 20, 4, o) == "direct");
-  o.algorithm = "ring";
+  o.algorithm = AlgorithmOverride::ring;
   CHECK(node_algorithm(OpKind::all_reduce, 8, 4, o) == "ring");
   CHECK(node_algorithm(OpKind::reduce_scatter, 1 << 20, 2, o) == "ring");
-  o.algorithm = "pairwise";
+  o.algorithm = AlgorithmOverride::pairwise;
   CHECK(node_algorithm(OpKind::all_reduce, 8, 8, o) == "pairwise");
   CHECK(node_algorithm(OpKind::all_reduce, 64 << 20, 4, o) == "pairwise");
   CHECK(node_algorithm(OpKind::reduce_scatter, 64 << 20, 4, o) == "pairwise");
@@ -106,7 +106,7 @@ TEST_CASE("an operation's plan: its algorithm, and the chunk where it cuts trans
   other.chunk_bytes = 512 << 10;
   CHECK(!(node_plan(OpKind::all_gather, 1 << 20, DType::float32, 4, 4, other) == ring));
   other = o;
-  other.algorithm = "pairwise";
+  other.algorithm = AlgorithmOverride::pairwise;
   CHECK(!(node_plan(OpKind::all_gather, 1 << 20, DType::float32, 4, 4, other) == ring));
   other = o;
   other.chunk_bytes = 512 << 10;  // the direct exchange does not chunk: the chunk is not compared
