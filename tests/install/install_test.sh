@@ -76,13 +76,15 @@ echo "ok - pkg-config collectived $version: shared and static build"
 # What each binary links: the shared ones libcollective.so.0, the static
 # ones no libcollective at all.
 for b in "$tmp/cmake/consumer_shared" "$tmp/pc/consumer_shared"; do
-  readelf -d "$b" | grep -q 'NEEDED.*\[libcollective\.so\.0\]' || die "$b does not need libcollective.so.0"
+  # grep -q on a pipe may leave its writer a SIGPIPE, which pipefail
+  # counts: the output is read whole first.
+  grep -q 'NEEDED.*\[libcollective\.so\.0\]' <<<"$(readelf -d "$b")" || die "$b does not need libcollective.so.0"
 done
 for b in "$tmp/cmake/consumer_static" "$tmp/pc/consumer_static"; do
-  ! readelf -d "$b" | grep -q 'NEEDED.*libcollective' || die "$b needs a shared libcollective"
+  ! grep -q 'NEEDED.*libcollective' <<<"$(readelf -d "$b")" || die "$b needs a shared libcollective"
 done
 export LD_LIBRARY_PATH=$root$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-ldd "$tmp/cmake/consumer_shared" | grep -q "libcollective.so.0 => $root$libdir/" ||
+grep -q "libcollective.so.0 => $root$libdir/" <<<"$(ldd "$tmp/cmake/consumer_shared")" ||
   die "consumer_shared does not load the staged libcollective: $(ldd "$tmp/cmake/consumer_shared")"
 
 # The installed daemon, on a socket of its own.
