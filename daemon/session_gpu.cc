@@ -6,7 +6,6 @@
 #include "daemon/server.h"
 #include "daemon/session.h"
 #include "engine/dtype.h"
-#include "engine/node_algorithms.h"
 
 namespace collectived::daemon {
 
@@ -170,8 +169,7 @@ void ClientSession::handle_attach_gpu(std::uint64_t id, wire::AttachGpu::Reader 
   a.setClientStageMaxBytes(stage_max);
   // A staged reduce-scatter over two nodes may leave the rank's own segment
   // on its GPU where this daemon's reduce-scatter between them is pairwise.
-  a.setOwnSegmentOnGpu(
-      engine::reduce_scatter_own_elsewhere(2, node_algorithms(host_.profile())));
+  a.setOwnSegmentOnGpu(host_.engine().reduce_scatter_own_elsewhere(2));
   send(ipc::encode_frame(b));
 }
 

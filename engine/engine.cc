@@ -107,6 +107,15 @@ void Engine::set_node_algorithms(const NodeAlgorithmOptions& options) {
   impl_->nodes.algorithms = std::move(next);
 }
 
+bool Engine::reduce_scatter_own_elsewhere(int nodes) const {
+  std::shared_ptr<const NodeAlgorithmOptions> options;
+  {
+    EngineLock lock(impl_->mu);
+    options = impl_->nodes.algorithms;
+  }
+  return engine::reduce_scatter_own_elsewhere(nodes, *options);
+}
+
 void Engine::node_message(const std::string& peer, MessageBytes message) {
   Impl& I = *impl_;
   I.locked([&](Locked lk, Deliveries& out, Tasks& tasks) {

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "engine/log.h"
-#include "engine/node_algorithms.h"
+#include "engine/algorithm_options.h"
 #include "engine/op.h"
 #include "engine/registry.h"
 #include "engine/transport/transport.h"
@@ -99,10 +99,10 @@ struct CommSnapshot {
 
 /// Thread-safe. Every request is answered exactly once through the caller's
 /// sink: with a result, an error, or at the latest when its deadline expires.
-class Engine {
+class Engine final : public NodeReceiver {
  public:
   Engine(EngineOptions options, Registry& registry, Logger& log);
-  ~Engine();
+  ~Engine() override;
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
@@ -158,16 +158,21 @@ class Engine {
   void set_node_runner(std::function<void(std::function<void()>)> post);
   /// Chunking and algorithm choice between nodes (profile keys collectives.*).
   void set_node_algorithms(const NodeAlgorithmOptions& options);
+  /// Whether a reduce-scatter over `nodes` nodes with one rank per node may
+  /// leave that rank's own contribution to its client (the GPU combines it),
+  /// under the algorithms set last.
+  bool reduce_scatter_own_elsewhere(int nodes) const;
   /// A message another node's daemon (at `peer`) sent to this engine.
-  void node_message(const std::string& peer, MessageBytes message);
+  void node_message(const std::string& peer, MessageBytes message) override;
   /// Where the payload of a node message goes, asked by the transport when
   /// the message's `head` (the bytes node_message() will get) arrives ahead
   /// of its `bytes` of payload: the buffer an operation posted for exactly
   /// that message (NodeChannel::post), or none. Thread-safe.
-  Placement place_node_message(std::span<const std::byte> head, std::uint64_t bytes);
+  Placement place_node_message(std::span<const std::byte> head, std::uint64_t bytes) override;
   /// The connection to the daemon at `address` (node `node`) ended: every
   /// communicator spanning it breaks with an error naming it and `why`.
-  void node_down(const std::string& address, const std::string& node, const std::string& why);
+  void node_down(const std::string& address, const std::string& node,
+                 const std::string& why) override;
 
   struct Impl;
 

@@ -11,7 +11,7 @@ const char* choice_name(bool verbs) { return verbs ? "verbs" : "tcp"; }
 
 SelectingTransport::SelectingTransport(const config::Profile& profile, verbs::Options verbs_options,
                                        std::string local_address, tcp::Device& peers,
-                                       engine::Engine& engine, engine::Logger& log)
+                                       engine::NodeReceiver& engine, engine::Logger& log)
     : profile_(profile),
       peers_(peers),
       engine_(engine),

@@ -22,7 +22,6 @@
 #include <vector>
 
 #include "config/profile.h"
-#include "engine/engine.h"
 #include "engine/log.h"
 #include "engine/transport/tcp/device.h"
 #include "engine/transport/tcp/node_transport.h"
@@ -39,7 +38,7 @@ class SelectingTransport final : public engine::NodeTransport {
   /// name it. `verbs_options`: verbs::Options::from_profile(profile), and
   /// the daemon's test hooks.
   SelectingTransport(const config::Profile& profile, verbs::Options verbs_options,
-                     std::string local_address, tcp::Device& peers, engine::Engine& engine,
+                     std::string local_address, tcp::Device& peers, engine::NodeReceiver& engine,
                      engine::Logger& log);
   ~SelectingTransport() override;
   SelectingTransport(const SelectingTransport&) = delete;
@@ -73,7 +72,7 @@ class SelectingTransport final : public engine::NodeTransport {
 
   const config::Profile& profile_;
   tcp::Device& peers_;
-  engine::Engine& engine_;
+  engine::NodeReceiver& engine_;
   engine::Logger& log_;
   tcp::NodeTransport tcp_;
 

@@ -1,7 +1,7 @@
 // The engine's view of the network between daemons: it sends opaque messages
 // to other nodes' daemons, named by their rendezvous address ("host:port"),
-// and is handed what arrives (Engine::node_message) and which nodes went away
-// (Engine::node_down). Algorithms never see sockets or verbs: they talk to a
+// and is told what arrives and which nodes went away through a NodeReceiver
+// (the engine is one): transports never include the engine. Algorithms never see sockets or verbs: they talk to a
 // NodeChannel (engine/node_algorithms.h) that the engine builds on this.
 //
 // Messages are sent without copying their bulk bytes: an OutMessage is a small
@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -67,6 +68,21 @@ struct OutMessage {
 struct Placement {
   std::byte* dest = nullptr;
   std::shared_ptr<void> keep;
+};
+
+/// What a transport tells whoever receives node messages (the engine).
+/// Thread-safe: called from the transports' threads.
+class NodeReceiver {
+ public:
+  virtual ~NodeReceiver() = default;
+  /// A message another node's daemon (at `peer`) sent.
+  virtual void node_message(const std::string& peer, MessageBytes message) = 0;
+  /// Where the payload of a message goes, asked when its `head` (the bytes
+  /// node_message() will get) arrives ahead of its `bytes` of payload.
+  virtual Placement place_node_message(std::span<const std::byte> head, std::uint64_t bytes) = 0;
+  /// The connection to the daemon at `address` (node `node`) ended.
+  virtual void node_down(const std::string& address, const std::string& node,
+                         const std::string& why) = 0;
 };
 
 class NodeTransport {

@@ -7,7 +7,7 @@ void NodeTransport::send(const std::string& address, engine::OutMessage message,
               [done = std::move(done)](const PeerResult& r) { done(r.code, r.message); });
 }
 
-void NodeTransport::connect(Device& peers, engine::Engine& engine) {
+void NodeTransport::connect(Device& peers, engine::NodeReceiver& engine) {
   peers.on_data(kEngineChannel, [&engine](const std::string& peer, std::uint64_t,
                                           std::uint64_t, engine::MessageBytes payload) {
     engine.node_message(peer, std::move(payload));

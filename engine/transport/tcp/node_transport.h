@@ -1,12 +1,11 @@
 // The engine's NodeTransport (engine/transport/transport.h) over the daemon's
 // authenticated TCP peer connections (engine/transport/tcp/device.h): engine messages
-// travel on their own channel, and arrive at Engine::node_message.
+// travel on their own channel, and arrive at a NodeReceiver (the engine).
 #pragma once
 
 #include <cstdint>
 
 #include "engine/transport/tcp/device.h"
-#include "engine/engine.h"
 #include "engine/transport/transport.h"
 
 namespace collectived::tcp {
@@ -19,8 +18,8 @@ class NodeTransport final : public engine::NodeTransport {
   explicit NodeTransport(Device& peers) : peers_(peers) {}
   void send(const std::string& address, engine::OutMessage message, Done done) override;
 
-  /// Routes the engine channel and peer failures of `peers` to `engine`.
-  static void connect(Device& peers, engine::Engine& engine);
+  /// Routes the engine channel and peer failures of `peers` to `receiver`.
+  static void connect(Device& peers, engine::NodeReceiver& receiver);
 
  private:
   Device& peers_;

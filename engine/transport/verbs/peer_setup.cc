@@ -110,7 +110,7 @@ class PeerSetup::SetupChannel final : public ExchangeChannel {
 };
 
 PeerSetup::PeerSetup(const config::Profile& profile, Options options, std::string local_address,
-                     tcp::Device& peers, engine::Engine& engine, engine::Logger& log)
+                     tcp::Device& peers, engine::NodeReceiver& engine, engine::Logger& log)
     : profile_(profile),
       options_(std::move(options)),
       local_address_(std::move(local_address)),

@@ -24,9 +24,9 @@
 #include <vector>
 
 #include "config/profile.h"
-#include "engine/engine.h"
 #include "engine/log.h"
 #include "engine/transport/tcp/device.h"
+#include "engine/transport/transport.h"
 #include "engine/transport/verbs/node_transport.h"
 #include "engine/transport/verbs/options.h"
 #include "ipc/protocol.capnp.h"
@@ -43,7 +43,7 @@ class PeerSetup {
  public:
   /// `local_address`: this daemon's listen address ("host:port"), as peers name it.
   PeerSetup(const config::Profile& profile, Options options, std::string local_address,
-            tcp::Device& peers, engine::Engine& engine, engine::Logger& log);
+            tcp::Device& peers, engine::NodeReceiver& engine, engine::Logger& log);
   ~PeerSetup();
   PeerSetup(const PeerSetup&) = delete;
   PeerSetup& operator=(const PeerSetup&) = delete;
@@ -89,7 +89,7 @@ class PeerSetup {
   const Options options_;
   const std::string local_address_;
   tcp::Device& peers_;
-  engine::Engine& engine_;
+  engine::NodeReceiver& engine_;
   engine::Logger& log_;
 
   // When opened (else verbs_reason_ says why not).
