@@ -1,0 +1,27 @@
+"""Medians over rounds of B/A and A2/A time per operation (scripts/bench/ab)."""
+import statistics
+import sys
+
+
+def table(path):
+    """{(op, bytes): out-of-place time in us} from collective-perf's output."""
+    times, op = {}, None
+    for line in open(path):
+        if line.startswith("# op: "):
+            op = line.split(": ", 1)[1].strip()
+        elif line.strip() and not line.startswith("#"):
+            f = line.split()
+            times[(op, int(f[0]))] = float(f[5])
+    return times
+
+
+out, rounds = sys.argv[1], int(sys.argv[2])
+runs = {v: [table(f"{out}/{v}.{r}.txt") for r in range(1, rounds + 1)] for v in ("A", "B", "A2")}
+keys = sorted(runs["A"][0], key=lambda k: (k[0], k[1]))
+print(f"{'op':<16}{'bytes':>10}{'A us':>10}{'B/A':>8}{'A2/A':>8}")
+for k in keys:
+    a = [t[k] for t in runs["A"]]
+    ba = [b[k] / x[k] for b, x in zip(runs["B"], runs["A"])]
+    aa = [b[k] / x[k] for b, x in zip(runs["A2"], runs["A"])]
+    print(f"{k[0]:<16}{k[1]:>10}{statistics.median(a):>10.1f}"
+          f"{statistics.median(ba):>8.3f}{statistics.median(aa):>8.3f}")
