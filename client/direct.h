@@ -29,6 +29,9 @@
 
 namespace collectived::client {
 
+// The CUDA driver loader (engine/gpu/cuda_driver.h), a leaf library the client links.
+namespace gpu = engine::gpu;
+
 /// What the daemon allows (its AttachedGpu answer).
 struct DirectPolicy {
   bool allowed = false;

@@ -28,9 +28,9 @@
 
 using namespace collectived;
 using namespace collectived::client;
-namespace cu = collectived::gpu::cu;
-using collectived::gpu::CudaDriver;
-using collectived::gpu::ScopedContext;
+namespace cu = collectived::engine::gpu::cu;
+using collectived::engine::gpu::CudaDriver;
+using collectived::engine::gpu::ScopedContext;
 
 namespace collectived::client {
 

@@ -15,6 +15,9 @@
 
 namespace collectived::client {
 
+// The CUDA driver loader (engine/gpu/cuda_driver.h), a leaf library the client links.
+namespace gpu = engine::gpu;
+
 /// One allocation under a buffer: where it starts, from the first one's
 /// base; its bytes; its CU_POINTER_ATTRIBUTE_BUFFER_ID (a new one after the
 /// memory there was freed, or unmapped and another allocation mapped).

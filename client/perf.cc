@@ -289,11 +289,11 @@ bool close_enough(collective_dtype_t d, double got, double want) {
 
 // --- one rank -------------------------------------------------------------------
 
-namespace cu = collectived::gpu::cu;
+namespace cu = collectived::engine::gpu::cu;
 
 /// -g: this rank's GPU, stream and device buffers (driver API, loaded at run time).
 struct GpuSide {
-  std::unique_ptr<collectived::gpu::CudaDriver> cu;
+  std::unique_ptr<collectived::engine::gpu::CudaDriver> cu;
   int device = 0;
   int ngpus = 1;
   cu::Context ctx = nullptr;
@@ -399,7 +399,7 @@ struct Rank {
 
   void gpu_setup() {
     try {
-      g.cu = collectived::gpu::CudaDriver::load();
+      g.cu = collectived::engine::gpu::CudaDriver::load();
     } catch (const std::exception& e) {
       std::fprintf(stderr, "collective-perf: rank %d: -g: %s\n", rank, e.what());
       std::_Exit(3);

@@ -7,8 +7,8 @@
 
 namespace collectived::client {
 
-namespace cu = collectived::gpu::cu;
-using collectived::gpu::ScopedContext;
+namespace cu = collectived::engine::gpu::cu;
+using collectived::engine::gpu::ScopedContext;
 
 namespace {
 // Blocks grow in whole MiB, at least doubling: a few allocations (each a

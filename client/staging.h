@@ -17,6 +17,9 @@ typedef struct collective_client collective_client_t;
 
 namespace collectived::client {
 
+// The CUDA driver loader (engine/gpu/cuda_driver.h), a leaf library the client links.
+namespace gpu = engine::gpu;
+
 /// One communicator's staging: two blocks of host memory shared with the
 /// daemon (collective_host_alloc: a sealed memfd both map) and registered
 /// with CUDA, taken in turns by consecutive operations. A block is replaced

@@ -26,9 +26,14 @@ void set_test_hook(TestHooks& hooks, const std::string& hook) {
     hooks.ibverbs_soname = value;
   } else if (name == "verbs_qp_error_after") {
     hooks.verbs_qp_error_after = hook_number(name, value);
+  } else if (name == "gpu_one_shot_bytes") {
+    hooks.gpu_one_shot_bytes = hook_number(name, value);
+  } else if (name == "gpu_debug_sync") {
+    hooks.gpu_debug_sync = hook_number(name, value) != 0;
   } else {
     throw UsageError("--test-hook " + hook + ": unknown hook '" + name +
-                     "' (peer_version, ibverbs_soname, verbs_qp_error_after)");
+                     "' (peer_version, ibverbs_soname, verbs_qp_error_after, gpu_one_shot_bytes, "
+                     "gpu_debug_sync)");
   }
 }
 

@@ -22,6 +22,13 @@ struct TestHooks {
   /// verbs_qp_error_after=N: move a verbs pair's QPs to the error state
   /// after N messages. 0: never.
   std::uint64_t verbs_qp_error_after = 0;
+  /// gpu_one_shot_bytes=N: one GPU runs an operation inside the node up to N
+  /// bytes per rank, every GPU its share above (engine/gpu/local_path.h).
+  /// 0: the built-in limits.
+  std::uint64_t gpu_one_shot_bytes = 0;
+  /// gpu_debug_sync=1: synchronize after each step of a GPU operation and
+  /// name the step that failed (diagnosis; it blocks).
+  bool gpu_debug_sync = false;
 };
 
 struct Options {

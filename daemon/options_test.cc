@@ -27,6 +27,11 @@ TEST_CASE("command line: test hooks, for the tests only") {
   CHECK(o.test_hooks.peer_version == 99);
   CHECK(o.test_hooks.verbs_qp_error_after == 40);
   CHECK(o.test_hooks.ibverbs_soname == "libibverbs-missing.so.1");
+  CHECK(o.test_hooks.gpu_one_shot_bytes == 0);
+  CHECK_FALSE(o.test_hooks.gpu_debug_sync);
+  o = parse_options({"--test-hook", "gpu_one_shot_bytes=4096", "--test-hook", "gpu_debug_sync=1"});
+  CHECK(o.test_hooks.gpu_one_shot_bytes == 4096);
+  CHECK(o.test_hooks.gpu_debug_sync);
   o = parse_options({});
   CHECK(o.test_hooks.peer_version == 0);
   CHECK(o.test_hooks.verbs_qp_error_after == 0);

@@ -57,6 +57,17 @@ engine::EngineOptions engine_options(const config::Profile& p, engine::EngineObs
 
 }  // namespace
 
+engine::gpu::GpuOptions gpu_options(const config::Profile& p, const TestHooks& hooks) {
+  engine::gpu::GpuOptions o;
+  o.mps = p.gpu.mps;
+  o.stage_chunk_bytes = p.gpu.stage_chunk_bytes;
+  o.copy_engine_min_bytes = p.gpu.copy_engine_min_bytes;
+  o.two_step_min_gpus = p.gpu.two_step_min_gpus;
+  o.one_shot_bytes = hooks.gpu_one_shot_bytes;
+  o.debug_sync = hooks.gpu_debug_sync;
+  return o;
+}
+
 engine::NodeAlgorithmOptions node_algorithms(const config::Profile& p) {
   engine::NodeAlgorithmOptions o;
   // The profile accepts only the names the engine parses (kAlgorithms).
@@ -138,9 +149,7 @@ Server::Server(config::Profile profile, ProfileSource source, engine::Logger& lo
       log_(logger),
       registry_(registry_limits(profile_)),
       engine_(engine_options(profile_, &metrics_), registry_, log_),
-      gpu_(engine::gpu::make_gpu_executor(log_, engine::gpu::GpuOptions{profile_.gpu.mps, profile_.gpu.stage_chunk_bytes,
-                                                                     profile_.gpu.copy_engine_min_bytes,
-                                                                     profile_.gpu.two_step_min_gpus})),
+      gpu_(engine::gpu::make_gpu_executor(log_, gpu_options(profile_, test_hooks_))),
       // An idle poller keeps polling this long before it sleeps: a little
       // longer than a small collective's round trip through the clients.
       ring_poller_(std::chrono::microseconds(200)),

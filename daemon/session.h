@@ -25,11 +25,17 @@
 #include "ipc/frame.h"
 #include "ipc/ring.h"
 
-namespace collectived::tcp {
+namespace collectived::engine::transport::tcp {
 class Device;
 }
+namespace collectived::engine::transport::verbs {}
 
 namespace collectived::daemon {
+
+// The transports (engine/transport/), by the short names the daemon wires them with.
+namespace tcp = engine::transport::tcp;
+namespace verbs = engine::transport::verbs;
+namespace transport = engine::transport;
 
 /// What a session needs from the daemon that owns it.
 class RingPoller;

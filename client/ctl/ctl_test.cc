@@ -14,7 +14,7 @@
 #include "client/ctl/table.h"
 
 using namespace collectived;
-using namespace collectived::ctl;
+using namespace collectived::client::ctl;
 namespace fs = std::filesystem;
 
 namespace {

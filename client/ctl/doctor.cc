@@ -7,7 +7,7 @@
 
 #include "client/ctl/json.h"
 
-namespace collectived::ctl {
+namespace collectived::client::ctl {
 
 std::string_view to_string(Verdict v) {
   switch (v) {
@@ -124,4 +124,4 @@ Report run_doctor(const DoctorOptions& options) {
   return r;
 }
 
-}  // namespace collectived::ctl
+}  // namespace collectived::client::ctl

@@ -13,11 +13,13 @@
 #include "client/ctl/status_model.h"
 #include "config/profile.h"
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 class IbverbsLibrary;
 }
 
-namespace collectived::ctl {
+namespace collectived::client::ctl {
+
+namespace verbs = engine::transport::verbs;
 
 /// PASS: fine. WARN: works, but slower or degraded, or something to look at.
 /// FAIL: broken; collectived or jobs will fail. SKIP: not applicable here
@@ -98,4 +100,4 @@ std::optional<std::string> read_line(const std::string& path);
 /// Entries of a directory (no "." and ".."), sorted; empty when absent.
 std::vector<std::string> list_dir(const std::string& path);
 
-}  // namespace collectived::ctl
+}  // namespace collectived::client::ctl

@@ -19,7 +19,7 @@
 #include "client/ctl/doctor.h"
 #include "engine/transport/verbs/gpudirect.h"
 
-namespace collectived::ctl {
+namespace collectived::client::ctl {
 
 namespace {
 
@@ -384,4 +384,4 @@ void check_gds(DoctorContext& ctx, Report& r) {
   }
 }
 
-}  // namespace collectived::ctl
+}  // namespace collectived::client::ctl

@@ -16,7 +16,7 @@
 #include "ipc/error.h"
 #include "ipc/version.h"
 
-namespace collectived::ctl {
+namespace collectived::client::ctl {
 
 namespace {
 
@@ -251,4 +251,4 @@ void check_peers(DoctorContext& ctx, Report& r) {
   }
 }
 
-}  // namespace collectived::ctl
+}  // namespace collectived::client::ctl

@@ -13,7 +13,7 @@
 #include "engine/transport/verbs/ibverbs_library.h"
 #include "ipc/error.h"
 
-namespace collectived::ctl {
+namespace collectived::client::ctl {
 
 namespace {
 
@@ -222,4 +222,4 @@ void check_hcas(DoctorContext& ctx, Report& r) {
   }
 }
 
-}  // namespace collectived::ctl
+}  // namespace collectived::client::ctl

@@ -3,7 +3,7 @@
 #include <cmath>
 #include <cstdio>
 
-namespace collectived::ctl {
+namespace collectived::client::ctl {
 
 std::string Json::quote(std::string_view s) {
   std::string out = "\"";
@@ -114,4 +114,4 @@ Json& Json::null() {
   return *this;
 }
 
-}  // namespace collectived::ctl
+}  // namespace collectived::client::ctl

@@ -6,7 +6,7 @@
 #include <string_view>
 #include <vector>
 
-namespace collectived::ctl {
+namespace collectived::client::ctl {
 
 /// Builds one JSON document: objects and arrays nest, commas and string
 /// escapes are handled here. Output is compact (one line) plus a final newline.
@@ -45,4 +45,4 @@ class Json {
   bool after_key_ = false;
 };
 
-}  // namespace collectived::ctl
+}  // namespace collectived::client::ctl

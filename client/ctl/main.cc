@@ -13,12 +13,12 @@
 #include "ipc/error.h"
 #include "ipc/version.h"
 
-namespace collectived::ctl {
+namespace collectived::client::ctl {
 int cuda_ipc_export_main();  // doctor_gpu.cc
 }
 
 using namespace collectived;
-using namespace collectived::ctl;
+using namespace collectived::client::ctl;
 
 namespace {
 

@@ -6,7 +6,7 @@
 #include "client/connection.h"
 #include "ipc/frame.h"
 
-namespace collectived::ctl {
+namespace collectived::client::ctl {
 
 namespace {
 
@@ -177,4 +177,4 @@ PingResult ping_peer(const std::string& socket, const std::string& address) {
   return r;
 }
 
-}  // namespace collectived::ctl
+}  // namespace collectived::client::ctl

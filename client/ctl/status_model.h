@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-namespace collectived::ctl {
+namespace collectived::client::ctl {
 
 struct ClientRow {
   std::uint64_t session = 0;
@@ -118,4 +118,4 @@ struct PingResult {
 };
 PingResult ping_peer(const std::string& socket, const std::string& address);
 
-}  // namespace collectived::ctl
+}  // namespace collectived::client::ctl

@@ -5,7 +5,7 @@
 #include "client/ctl/json.h"
 #include "client/ctl/table.h"
 
-namespace collectived::ctl {
+namespace collectived::client::ctl {
 
 namespace {
 
@@ -390,4 +390,4 @@ std::string print_peers(const DaemonStatus& s, bool json) {
   return out + peers_table(s) + verbs_details(s);
 }
 
-}  // namespace collectived::ctl
+}  // namespace collectived::client::ctl

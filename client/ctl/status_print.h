@@ -5,10 +5,10 @@
 
 #include "client/ctl/status_model.h"
 
-namespace collectived::ctl {
+namespace collectived::client::ctl {
 
 std::string print_status(const DaemonStatus& s, bool json);
 std::string print_comms(const DaemonStatus& s, bool json);
 std::string print_peers(const DaemonStatus& s, bool json);
 
-}  // namespace collectived::ctl
+}  // namespace collectived::client::ctl

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <cstdio>
 
-namespace collectived::ctl {
+namespace collectived::client::ctl {
 
 std::string Table::str() const {
   std::vector<std::size_t> width(header_.size(), 0);
@@ -68,4 +68,4 @@ std::string human_duration_ms(std::uint64_t ms) {
   return buf;
 }
 
-}  // namespace collectived::ctl
+}  // namespace collectived::client::ctl

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-namespace collectived::ctl {
+namespace collectived::client::ctl {
 
 /// Columns padded to their widest cell, two spaces apart; a header row in
 /// capitals. No trailing spaces.
@@ -26,4 +26,4 @@ std::string human_bytes(std::uint64_t bytes);
 /// "3d 4h", "2h 5m", "4m 10s", "12.3s", "850ms".
 std::string human_duration_ms(std::uint64_t ms);
 
-}  // namespace collectived::ctl
+}  // namespace collectived::client::ctl

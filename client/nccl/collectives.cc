@@ -5,7 +5,7 @@
 
 #include "client/nccl/shim.h"
 
-namespace collectived::nccl {
+namespace collectived::client::nccl {
 
 namespace {
 
@@ -226,9 +226,9 @@ ncclResult_t run(const char* call, ncclComm* comm, Coll c, ncclDataType_t dt, nc
 
 }  // namespace
 
-}  // namespace collectived::nccl
+}  // namespace collectived::client::nccl
 
-using namespace collectived::nccl;
+using namespace collectived::client::nccl;
 
 extern "C" {
 

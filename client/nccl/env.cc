@@ -16,7 +16,7 @@
 
 extern char** environ;
 
-namespace collectived::nccl {
+namespace collectived::client::nccl {
 
 namespace {
 
@@ -124,4 +124,4 @@ bool host_only() {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
-}  // namespace collectived::nccl
+}  // namespace collectived::client::nccl

@@ -5,7 +5,7 @@
 
 #include "client/nccl/shim.h"
 
-namespace collectived::nccl {
+namespace collectived::client::nccl {
 
 namespace {
 
@@ -67,9 +67,9 @@ void check(collective_result_t r) {
   throw Failure(to_nccl(r), collective_last_error());  // names the libcollective call
 }
 
-}  // namespace collectived::nccl
+}  // namespace collectived::client::nccl
 
-using namespace collectived::nccl;
+using namespace collectived::client::nccl;
 
 extern "C" {
 

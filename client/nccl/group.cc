@@ -13,7 +13,7 @@
 
 #include "client/nccl/shim.h"
 
-namespace collectived::nccl {
+namespace collectived::client::nccl {
 
 namespace {
 
@@ -184,9 +184,9 @@ void group_failed(ncclResult_t code) {
 
 void init_in_group(ncclComm* comm) { t_inits.push_back(comm); }
 
-}  // namespace collectived::nccl
+}  // namespace collectived::client::nccl
 
-using namespace collectived::nccl;
+using namespace collectived::client::nccl;
 
 extern "C" {
 

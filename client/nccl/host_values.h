@@ -10,7 +10,7 @@
 #include "client/nccl/nccl.h"
 #include "ipc/half.h"
 
-namespace collectived::nccl {
+namespace collectived::client::nccl {
 
 inline std::size_t host_type_size(ncclDataType_t t) {
   switch (t) {
@@ -78,4 +78,4 @@ inline double host_load(ncclDataType_t t, const void* base, std::size_t i) {
   }
 }
 
-}  // namespace collectived::nccl
+}  // namespace collectived::client::nccl

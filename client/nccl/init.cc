@@ -15,7 +15,7 @@
 
 #include "client/nccl/shim.h"
 
-using namespace collectived::nccl;
+using namespace collectived::client::nccl;
 
 static_assert(sizeof(ncclUniqueId) == sizeof(collective_unique_id_t),
               "NCCL's unique id carries libcollective's");
@@ -25,7 +25,7 @@ std::string ncclComm::where() const {
          (device >= 0 ? ", CUDA device " + std::to_string(device) + ")" : ", no CUDA device)");
 }
 
-namespace collectived::nccl {
+namespace collectived::client::nccl {
 
 namespace {
 
@@ -253,7 +253,7 @@ void require_ready(ncclComm* comm) {
   if (comm->coll == nullptr) throw Failure(ncclInvalidArgument, "the communicator has no members");
 }
 
-}  // namespace collectived::nccl
+}  // namespace collectived::client::nccl
 
 extern "C" {
 

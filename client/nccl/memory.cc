@@ -4,7 +4,7 @@
 
 #include "client/nccl/shim.h"
 
-using namespace collectived::nccl;
+using namespace collectived::client::nccl;
 
 namespace {
 
@@ -39,7 +39,7 @@ ncclResult_t ncclMemAlloc(void** ptr, size_t size) {
 ncclResult_t ncclMemFree(void* ptr) {
   if (ptr == nullptr) return ncclSuccess;
   return guarded("ncclMemFree", [&] {
-    const collectived::gpu::CudaDriver& d = driver();
+    const collectived::engine::gpu::CudaDriver& d = driver();
     if (const ClientRef c = existing_process_client()) collective_gpu_deregister(c.get(), ptr);
     cu::Context ctx = nullptr;
     d.cuPointerGetAttribute(&ctx, cu::kPointerAttributeContext,

@@ -242,7 +242,7 @@ struct Rank {
     const std::size_t es = o.type.size;
     const std::size_t in_n = op == Op::reduce_scatter || op == Op::all_to_all ? count * n : count;
     const std::size_t out_n = op == Op::all_gather || op == Op::all_to_all ? count * n : count;
-    for (std::size_t i = 0; i < in_n; ++i) collectived::nccl::host_store(o.type.nccl, host.data(), i, rank + 1);
+    for (std::size_t i = 0; i < in_n; ++i) collectived::client::nccl::host_store(o.type.nccl, host.data(), i, rank + 1);
     char* dst = in_place ? static_cast<char*>(recv) : static_cast<char*>(send);
     if (in_place && op == Op::all_gather) dst += rank * count * es;
     cuda(cudaMemset(recv, 0, std::max(in_n, out_n) * es), "cudaMemset");
@@ -256,7 +256,7 @@ struct Rank {
     cuda(cudaMemcpy(host.data(), out, out_n * es, cudaMemcpyDeviceToHost), "cudaMemcpy");
     long wrong = 0;
     for (std::size_t i = 0; i < out_n; ++i) {
-      const double w = want(op, count, i), g = collectived::nccl::host_load(o.type.nccl, host.data(), i);
+      const double w = want(op, count, i), g = collectived::client::nccl::host_load(o.type.nccl, host.data(), i);
       if (std::abs(g - w) > 1e-2 * std::abs(w)) ++wrong;
     }
     return wrong;

@@ -30,7 +30,7 @@ asm(".section .rodata\n"
 extern "C" const unsigned char collectived_nccl_premul_begin[];
 #endif
 
-namespace collectived::nccl {
+namespace collectived::client::nccl {
 
 namespace {
 
@@ -179,9 +179,9 @@ void release_premul(ncclComm* comm) noexcept {
   delete p;
 }
 
-}  // namespace collectived::nccl
+}  // namespace collectived::client::nccl
 
-using namespace collectived::nccl;
+using namespace collectived::client::nccl;
 
 extern "C" {
 

@@ -19,7 +19,7 @@
 
 #include "client/nccl/shim.h"
 
-namespace collectived::nccl {
+namespace collectived::client::nccl {
 
 namespace {
 
@@ -156,4 +156,4 @@ ContextScope::~ContextScope() {
   driver().cuCtxPopCurrent(&ignored);
 }
 
-}  // namespace collectived::nccl
+}  // namespace collectived::client::nccl

@@ -18,7 +18,10 @@
 #include "engine/gpu/cuda_driver.h"
 #include "ipc/error.h"
 
-namespace collectived::nccl {
+namespace collectived::client::nccl {
+
+// The CUDA driver loader (engine/gpu/cuda_driver.h), a leaf library the client links.
+namespace gpu = engine::gpu;
 
 namespace cu = gpu::cu;
 
@@ -113,17 +116,17 @@ class ContextScope {
 
 struct Premul;  // premul.cc
 
-}  // namespace collectived::nccl
+}  // namespace collectived::client::nccl
 
 /// ncclComm_t. Rank, size and device are set when it is made; the daemon's
 /// communicator (`coll`) once its init finished (at once where blocking).
 struct ncclComm {
-  collectived::nccl::ClientRef client;
+  collectived::client::nccl::ClientRef client;
   collective_comm_t* coll = nullptr;
   int rank = -1;
   int nranks = 0;
   int device = -1;  // CUDA ordinal; -1: none (COLLECTIVED_NCCL_HOST_ONLY)
-  collectived::gpu::cu::Context ctx = nullptr;
+  collectived::engine::gpu::cu::Context ctx = nullptr;
   bool blocking = true;
 
   std::mutex mu;  // everything below
@@ -137,12 +140,12 @@ struct ncclComm {
   std::string message;
   /// Operations whose answer has not been looked at yet, oldest first.
   std::deque<collective_request_t*> requests;
-  collectived::nccl::Premul* premul = nullptr;
+  collectived::client::nccl::Premul* premul = nullptr;
 
   std::string where() const;
 };
 
-namespace collectived::nccl {
+namespace collectived::client::nccl {
 
 // --- init.cc ---
 /// Throws Failure unless `comm` can take operations: its init is done and no
@@ -191,4 +194,4 @@ void submit_premul(ncclComm* comm, ncclRedOp_t op, Coll c);
 /// Frees the communicator's PreMulSum state (scratch, module).
 void release_premul(ncclComm* comm) noexcept;
 
-}  // namespace collectived::nccl
+}  // namespace collectived::client::nccl

@@ -5,7 +5,7 @@
 
 #include "client/nccl/shim.h"
 
-using namespace collectived::nccl;
+using namespace collectived::client::nccl;
 
 namespace {
 

@@ -6,7 +6,7 @@
 
 #include "client/torch/launch.h"
 
-namespace collectived::torch_backend {
+namespace collectived::client::torch_backend {
 
 namespace {
 
@@ -175,4 +175,4 @@ void Backend::shutdown() {
   comm_ = nullptr;
 }
 
-}  // namespace collectived::torch_backend
+}  // namespace collectived::client::torch_backend

@@ -20,7 +20,7 @@
 #include "client/torch/torch_compat.h"
 #include "client/torch/work.h"
 
-namespace collectived::torch_backend {
+namespace collectived::client::torch_backend {
 
 class Launch;
 
@@ -153,4 +153,4 @@ class Backend final : public c10d::Backend {
   std::shared_ptr<AsyncError> async_error_ = std::make_shared<AsyncError>();
 };
 
-}  // namespace collectived::torch_backend
+}  // namespace collectived::client::torch_backend

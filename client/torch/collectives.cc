@@ -6,7 +6,7 @@
 #include "client/torch/dtype.h"
 #include "client/torch/launch.h"
 
-namespace collectived::torch_backend {
+namespace collectived::client::torch_backend {
 
 namespace {
 
@@ -283,4 +283,4 @@ c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts
   return finish(op, {});
 }
 
-}  // namespace collectived::torch_backend
+}  // namespace collectived::client::torch_backend

@@ -9,7 +9,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
-namespace collectived::torch_backend {
+namespace collectived::client::torch_backend {
 
 #if COLLECTIVED_TORCH_CUDA
 
@@ -97,4 +97,4 @@ bool cuda_built() { return false; }
 
 #endif
 
-}  // namespace collectived::torch_backend
+}  // namespace collectived::client::torch_backend

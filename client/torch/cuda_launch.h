@@ -13,7 +13,7 @@
 #include <mutex>
 #include <vector>
 
-namespace collectived::torch_backend {
+namespace collectived::client::torch_backend {
 
 /// The internal streams of one process group, one per device, made at first use.
 class CudaStreams {
@@ -63,4 +63,4 @@ class CudaLaunch {
 /// Whether this build drives CUDA tensors.
 bool cuda_built();
 
-}  // namespace collectived::torch_backend
+}  // namespace collectived::client::torch_backend

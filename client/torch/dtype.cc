@@ -2,7 +2,7 @@
 
 #include <c10/util/Exception.h>
 
-namespace collectived::torch_backend {
+namespace collectived::client::torch_backend {
 
 collective_dtype_t wire_dtype(const at::Tensor& t, const char* what) {
   switch (t.scalar_type()) {
@@ -88,4 +88,4 @@ Reduction wire_reduction(const c10d::ReduceOp& op, const at::Tensor& t, const ch
               " (supported: SUM, AVG, PRODUCT, MIN, MAX, PREMUL_SUM)");
 }
 
-}  // namespace collectived::torch_backend
+}  // namespace collectived::client::torch_backend

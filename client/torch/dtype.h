@@ -10,7 +10,7 @@
 
 #include "client/collective.h"
 
-namespace collectived::torch_backend {
+namespace collectived::client::torch_backend {
 
 /// What one reduction becomes on the wire.
 struct Reduction {
@@ -37,4 +37,4 @@ Reduction wire_reduction(const c10d::ReduceOp& op, const at::Tensor& t, const ch
 
 std::string reduce_op_name(const c10d::ReduceOp& op);
 
-}  // namespace collectived::torch_backend
+}  // namespace collectived::client::torch_backend

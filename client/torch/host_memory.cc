@@ -9,7 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 
-namespace collectived::torch_backend {
+namespace collectived::client::torch_backend {
 
 namespace {
 
@@ -192,4 +192,4 @@ void SharedHostAllocator::copy_data(void* dest, const void* src, std::size_t cou
   std::memcpy(dest, src, count);
 }
 
-}  // namespace collectived::torch_backend
+}  // namespace collectived::client::torch_backend

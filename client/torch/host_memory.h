@@ -24,7 +24,7 @@
 
 #include "client/collective.h"
 
-namespace collectived::torch_backend {
+namespace collectived::client::torch_backend {
 
 /// One connection to the node's daemon, shared by the process groups of a
 /// process and by the allocator. Never destroyed while blocks from it may
@@ -102,4 +102,4 @@ class SharedHostAllocator final : public c10::Allocator {
   bool failed_ = false;  // registration refused once: the fallback from then on
 };
 
-}  // namespace collectived::torch_backend
+}  // namespace collectived::client::torch_backend

@@ -6,7 +6,7 @@
 
 #include "client/torch/backend.h"
 
-namespace collectived::torch_backend {
+namespace collectived::client::torch_backend {
 
 Launch::Launch(Backend& b, c10d::OpType type, std::string what, const at::Tensor& first)
     : b_(b), type_(type), what_(std::move(what) + " on " + b.where()) {
@@ -118,4 +118,4 @@ c10::intrusive_ptr<Work> Launch::submit(std::vector<at::Tensor> outputs) {
   return w;
 }
 
-}  // namespace collectived::torch_backend
+}  // namespace collectived::client::torch_backend

@@ -16,7 +16,7 @@
 #include "client/torch/cuda_launch.h"
 #include "client/torch/work.h"
 
-namespace collectived::torch_backend {
+namespace collectived::client::torch_backend {
 
 class Backend;
 
@@ -68,4 +68,4 @@ class Launch {
   bool submitted_ = false;
 };
 
-}  // namespace collectived::torch_backend
+}  // namespace collectived::client::torch_backend

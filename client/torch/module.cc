@@ -10,7 +10,7 @@
 #include "client/torch/cuda_launch.h"
 
 namespace py = pybind11;
-using collectived::torch_backend::Backend;
+using collectived::client::torch_backend::Backend;
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "collectived's torch.distributed backend (see collectived_torch)";
@@ -33,5 +33,5 @@ PYBIND11_MODULE(_C, m) {
       py::arg("group_name") = "", py::arg("socket") = "",
       py::call_guard<py::gil_scoped_release>());
   m.def("library_version", [] { return std::string(collective_version()); });
-  m.def("cuda_built", &collectived::torch_backend::cuda_built);
+  m.def("cuda_built", &collectived::client::torch_backend::cuda_built);
 }

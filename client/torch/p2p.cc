@@ -10,7 +10,7 @@
 #include "client/torch/dtype.h"
 #include "client/torch/launch.h"
 
-namespace collectived::torch_backend {
+namespace collectived::client::torch_backend {
 
 namespace {
 
@@ -260,4 +260,4 @@ c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs
   return finish(op, outputs);
 }
 
-}  // namespace collectived::torch_backend
+}  // namespace collectived::client::torch_backend

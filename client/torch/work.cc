@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 
-namespace collectived::torch_backend {
+namespace collectived::client::torch_backend {
 
 namespace {
 
@@ -261,4 +261,4 @@ void Progress::step(std::unique_lock<std::mutex>& lock, const c10::intrusive_ptr
   drained_cv_.notify_all();
 }
 
-}  // namespace collectived::torch_backend
+}  // namespace collectived::client::torch_backend

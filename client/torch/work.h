@@ -30,7 +30,7 @@
 #include "client/torch/cuda_launch.h"
 #include "client/torch/torch_compat.h"
 
-namespace collectived::torch_backend {
+namespace collectived::client::torch_backend {
 
 class Work final : public c10d::Work {
  public:
@@ -131,4 +131,4 @@ class Progress {
   std::thread thread_;
 };
 
-}  // namespace collectived::torch_backend
+}  // namespace collectived::client::torch_backend

@@ -13,8 +13,8 @@
 
 namespace collectived::engine::gpu {
 
-namespace cu = collectived::gpu::cu;
-using collectived::gpu::CudaDriver;
+namespace cu = collectived::engine::gpu::cu;
+using collectived::engine::gpu::CudaDriver;
 
 inline void check_rt(cudaError_t e, const std::string& what) {
   if (e != cudaSuccess) {

@@ -6,7 +6,7 @@
 
 #include "ipc/error.h"
 
-namespace collectived::gpu {
+namespace collectived::engine::gpu {
 
 namespace {
 // Entry points are asked for with the semantics of this CUDA version: the
@@ -118,4 +118,4 @@ ScopedContext::~ScopedContext() {
   }
 }
 
-}  // namespace collectived::gpu
+}  // namespace collectived::engine::gpu

@@ -14,7 +14,7 @@
 #include <string>
 #include <type_traits>
 
-namespace collectived::gpu {
+namespace collectived::engine::gpu {
 
 namespace cu {
 using Result = int;  // CUresult
@@ -238,4 +238,4 @@ class ScopedContext {
   bool pushed_ = false;
 };
 
-}  // namespace collectived::gpu
+}  // namespace collectived::engine::gpu

@@ -4,7 +4,7 @@
 
 namespace collectived::engine::gpu {
 
-using collectived::gpu::uuid_text;
+using collectived::engine::gpu::uuid_text;
 
 void Devices::open(int count, std::vector<std::string>& lines) {
   for (int i = 0; i < count; ++i) {

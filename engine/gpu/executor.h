@@ -371,6 +371,11 @@ struct GpuOptions {
   /// profile gpu.two_step_min_gpus: a broadcast split over this many GPUs or
   /// more takes two steps.
   int two_step_min_gpus = 3;
+  /// Bytes per rank up to which one GPU runs an operation inside the node
+  /// (one-shot); 0: the built-in limits (local_path.h). A test hook.
+  std::uint64_t one_shot_bytes = 0;
+  /// Synchronize after each step and name the step that failed (diagnosis).
+  bool debug_sync = false;
 };
 std::unique_ptr<GpuExecutor> make_gpu_executor(Logger& log, const GpuOptions& options);
 

@@ -1,33 +1,17 @@
 #include "engine/gpu/local_path.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include "engine/gpu/kernel_share.h"
 #include "engine/gpu/rank_sync.h"
 
 namespace collectived::engine::gpu {
-namespace {
-
-bool env_flag(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' && std::string(v) != "0";
-}
-
-std::uint64_t env_bytes(const char* name, std::uint64_t fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  return std::strtoull(v, nullptr, 10);
-}
-
-}  // namespace
-
 LocalPath::LocalPath(ExecutorState& state, Completion& completion, const GpuOptions& options)
     : s_(state),
       completion_(completion),
-      debug_sync_(env_flag("COLLECTIVED_GPU_DEBUG_SYNC")),
-      one_shot_bytes_(env_bytes("COLLECTIVED_GPU_ONE_SHOT_BYTES", 0)),
+      debug_sync_(options.debug_sync),
+      one_shot_bytes_(options.one_shot_bytes),
       one_shot_env_(one_shot_bytes_ != 0),
       copy_engine_min_bytes_(options.copy_engine_min_bytes),
       two_step_min_gpus_(std::max(2, options.two_step_min_gpus)) {}

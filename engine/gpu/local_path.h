@@ -37,15 +37,15 @@ class LocalPath {
   /// A pooled event of GPU `dev`, returned to the pool with `p`'s.
   cudaEvent_t take_event(Pending& p, int dev);
   cudaStream_t stream_of(int dev, std::size_t slot) { return s_.devices[dev].streams[slot]; }
-  /// COLLECTIVED_GPU_DEBUG_SYNC=1: synchronize after each step of an operation
+  /// GpuOptions::debug_sync: synchronize after each step of an operation
   /// and name the step that failed (diagnosis only: it blocks).
   void debug_sync(const std::vector<int>& exec, std::size_t slot, const char* step);
 
   ExecutorState& s_;
   Completion& completion_;
-  const bool debug_sync_;  // COLLECTIVED_GPU_DEBUG_SYNC
+  const bool debug_sync_;  // GpuOptions::debug_sync
   // Bytes per rank up to which one GPU runs the whole operation (one-shot);
-  // above, every GPU computes its share. COLLECTIVED_GPU_ONE_SHOT_BYTES overrides.
+  // above, every GPU computes its share. GpuOptions::one_shot_bytes overrides.
   const std::uint64_t one_shot_bytes_;
   const bool one_shot_env_;
   // Copies from one GPU to another of at least this many bytes go to the

@@ -7,8 +7,8 @@
 
 namespace collectived::engine::gpu {
 
-using collectived::gpu::CudaDriver;
-namespace cu = collectived::gpu::cu;
+using collectived::engine::gpu::CudaDriver;
+namespace cu = collectived::engine::gpu::cu;
 
 VmmRange::VmmRange(std::shared_ptr<const CudaDriver> cu, std::uint64_t size, std::uint32_t pieces)
     : cu_(std::move(cu)), size_(size), pieces_(pieces) {

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-namespace collectived::transport {
+namespace collectived::engine::transport {
 namespace {
 
 const char* choice_name(bool verbs) { return verbs ? "verbs" : "tcp"; }
@@ -138,4 +138,4 @@ void SelectingTransport::fill_status(wire::StatusReply::Builder status) const {
   verbs_.fill_status(status);
 }
 
-}  // namespace collectived::transport
+}  // namespace collectived::engine::transport

@@ -30,7 +30,7 @@
 #include "engine/transport/verbs/peer_setup.h"
 #include "ipc/protocol.capnp.h"
 
-namespace collectived::transport {
+namespace collectived::engine::transport {
 
 class SelectingTransport final : public engine::NodeTransport {
  public:
@@ -84,4 +84,4 @@ class SelectingTransport final : public engine::NodeTransport {
   verbs::PeerSetup verbs_;
 };
 
-}  // namespace collectived::transport
+}  // namespace collectived::engine::transport

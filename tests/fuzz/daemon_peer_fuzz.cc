@@ -24,6 +24,7 @@
 #include "tests/fuzz/inproc_daemon.h"
 
 using namespace collectived;
+namespace tcp = collectived::engine::transport::tcp;
 
 namespace {
 

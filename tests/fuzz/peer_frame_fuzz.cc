@@ -23,6 +23,7 @@
 #include "ipc/frame.h"
 
 using namespace collectived;
+namespace tcp = collectived::engine::transport::tcp;
 using tcp::Handshake;
 
 namespace {

@@ -7,7 +7,7 @@
 
 #include "engine/gpu/cuda_driver.h"
 
-namespace cu = collectived::gpu::cu;
+namespace cu = collectived::engine::gpu::cu;
 
 static_assert(cu::kSuccess == CUDA_SUCCESS);
 static_assert(cu::kErrorNotInitialized == CUDA_ERROR_NOT_INITIALIZED);

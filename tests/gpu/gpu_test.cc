@@ -31,8 +31,8 @@
 using namespace collectived;
 using namespace collectived::test;
 using namespace std::chrono_literals;
-namespace cu = collectived::gpu::cu;
-using collectived::gpu::CudaDriver;
+namespace cu = collectived::engine::gpu::cu;
+using collectived::engine::gpu::CudaDriver;
 
 namespace {
 
@@ -440,8 +440,8 @@ int chunked_body(GpuRank& g) {
 /// checks who ran its stream-ordered collectives (collective_comm_gpu_path)
 /// starts with `path` and contains `also`.
 void matrix(int gpus, std::vector<std::string> overrides = {}, std::string path = "", int nranks = 2,
-            std::string also = "", std::map<std::string, std::string> env = {}) {
-  Daemon daemon(Daemon::Options{.overrides = std::move(overrides), .env = std::move(env)});
+            std::string also = "", std::vector<std::string> test_hooks = {}) {
+  Daemon daemon(Daemon::Options{.overrides = std::move(overrides), .test_hooks = std::move(test_hooks)});
   with_ranks(daemon, nranks, gpus, [&](GpuRank& g) {
     const int rc = matrix_body(g);
     const std::string got = collective_comm_gpu_path(g.comm);
@@ -545,7 +545,7 @@ TEST_CASE("gpu: the client's kernels and the daemon's in turns on one communicat
 TEST_CASE("gpu: two steps: all-reduce and broadcast on the client's kernels and on the daemon, one rank per GPU, bit-exact") {
   // gpu.two_step_min_gpus=2 and gpu.two_step_bytes=4096 put the matrix's
   // 70001-element all-reduces and broadcasts (and the 1001-element ones of
-  // 8-byte types) on the client's two-step kernels; COLLECTIVED_GPU_ONE_SHOT_BYTES
+  // 8-byte types) on the client's two-step kernels; the gpu_one_shot_bytes hook
   // splits the daemon's work over the GPUs, so that its broadcasts above 4 KiB
   // take two steps too. Every GPU of the machine up to 4, one rank each: with
   // 3 GPUs the chunks are of different lengths.
@@ -558,7 +558,7 @@ TEST_CASE("gpu: two steps: all-reduce and broadcast on the client's kernels and 
   matrix(n, {"gpu.two_step_min_gpus=2", "gpu.two_step_bytes=4096"}, "client kernels: " + all, n,
          "two steps from 4096 bytes");
   matrix(n, {"gpu.client_kernels=off", "gpu.two_step_min_gpus=2"}, "daemon: ", n, "",
-         {{"COLLECTIVED_GPU_ONE_SHOT_BYTES", "4096"}});
+         {"gpu_one_shot_bytes=4096"});
 }
 
 TEST_CASE("gpu: 2 ranks sharing one GPU") { matrix(1, {}, "daemon: ranks 0 and 1 share GPU-"); }

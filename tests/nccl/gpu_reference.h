@@ -15,9 +15,9 @@
 
 namespace ncclt {
 
-using collectived::nccl::host_load;
-using collectived::nccl::host_store;
-using collectived::nccl::host_type_size;
+using collectived::client::nccl::host_load;
+using collectived::client::nccl::host_store;
+using collectived::client::nccl::host_type_size;
 
 constexpr ncclDataType_t kTypes[] = {ncclInt8,    ncclUint8,  ncclInt32,   ncclUint32,
                                      ncclInt64,   ncclUint64, ncclFloat16, ncclBfloat16,

@@ -9,6 +9,8 @@
 
 namespace collectived::rdma_test {
 
+namespace verbs = engine::transport::verbs;
+
 using Args = std::map<std::string, std::string>;
 
 inline Args parse_args(int argc, char** argv) {

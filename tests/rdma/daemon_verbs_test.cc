@@ -26,6 +26,7 @@
 #include "tests/support/nodes.h"
 
 using namespace collectived;
+namespace verbs = collectived::engine::transport::verbs;
 using namespace collectived::test;
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;

@@ -10,6 +10,8 @@
 
 namespace collectived::rdma_test {
 
+namespace verbs = engine::transport::verbs;
+
 class SocketChannel : public verbs::ExchangeChannel {
  public:
   SocketChannel(UniqueFd fd, std::string peer) : fd_(std::move(fd)), peer_(std::move(peer)) {}

@@ -28,6 +28,7 @@
 #include "tests/rdma/socket_channel.h"
 
 using namespace collectived;
+namespace verbs = collectived::engine::transport::verbs;
 using namespace collectived::rdma_test;
 using namespace std::chrono_literals;
 using verbs::Clock;

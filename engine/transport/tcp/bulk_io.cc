@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 
-namespace collectived::tcp {
+namespace collectived::engine::transport::tcp {
 
 BulkIo::BulkIo(unsigned threads) {
   threads = std::max(1u, threads);
@@ -126,4 +126,4 @@ int BulkIo::transfer(Task& t, bool reading, std::size_t& moved) {
   return 0;
 }
 
-}  // namespace collectived::tcp
+}  // namespace collectived::engine::transport::tcp

@@ -24,7 +24,7 @@
 #include <thread>
 #include <vector>
 
-namespace collectived::tcp {
+namespace collectived::engine::transport::tcp {
 
 class BulkIo {
  public:
@@ -92,4 +92,4 @@ class BulkIo {
   std::vector<std::thread> readers_, writers_;
 };
 
-}  // namespace collectived::tcp
+}  // namespace collectived::engine::transport::tcp

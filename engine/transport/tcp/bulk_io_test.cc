@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-using namespace collectived::tcp;
+using namespace collectived::engine::transport::tcp;
 using namespace std::chrono_literals;
 
 namespace {

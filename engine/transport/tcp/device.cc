@@ -6,7 +6,7 @@
 #include <cstring>
 #include <thread>
 
-namespace collectived::tcp {
+namespace collectived::engine::transport::tcp {
 
 namespace asio = boost::asio;
 using tcp = asio::ip::tcp;
@@ -617,4 +617,4 @@ void fill_peer_status(const Device& peers, wire::StatusReply::Builder status) {
   status.setPeerAddress(peers.address().c_str());
 }
 
-}  // namespace collectived::tcp
+}  // namespace collectived::engine::transport::tcp

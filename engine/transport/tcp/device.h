@@ -42,7 +42,7 @@
 #include "engine/log.h"
 #include "ipc/protocol.capnp.h"
 
-namespace collectived::tcp {
+namespace collectived::engine::transport::tcp {
 
 /// One peer as status shows it.
 struct PeerStatus {
@@ -195,4 +195,4 @@ inline constexpr std::uint32_t kAutoStreams = 4;
 /// Fills StatusReply.peers.
 void fill_peer_status(const Device& peers, wire::StatusReply::Builder status);
 
-}  // namespace collectived::tcp
+}  // namespace collectived::engine::transport::tcp

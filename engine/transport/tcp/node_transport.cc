@@ -1,6 +1,6 @@
 #include "engine/transport/tcp/node_transport.h"
 
-namespace collectived::tcp {
+namespace collectived::engine::transport::tcp {
 
 void NodeTransport::send(const std::string& address, engine::OutMessage message, Done done) {
   peers_.send(address, kEngineChannel, std::move(message),
@@ -20,4 +20,4 @@ void NodeTransport::connect(Device& peers, engine::NodeReceiver& engine) {
                                const std::string& why) { engine.node_down(peer, node, why); });
 }
 
-}  // namespace collectived::tcp
+}  // namespace collectived::engine::transport::tcp

@@ -8,7 +8,7 @@
 #include "engine/transport/tcp/device.h"
 #include "engine/transport/transport.h"
 
-namespace collectived::tcp {
+namespace collectived::engine::transport::tcp {
 
 /// The peer-connection channel of engine messages (ipc/node.capnp).
 inline constexpr std::uint64_t kEngineChannel = 2;
@@ -25,4 +25,4 @@ class NodeTransport final : public engine::NodeTransport {
   Device& peers_;
 };
 
-}  // namespace collectived::tcp
+}  // namespace collectived::engine::transport::tcp

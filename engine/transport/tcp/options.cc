@@ -14,7 +14,7 @@
 #include <cstring>
 #include <optional>
 
-namespace collectived::tcp {
+namespace collectived::engine::transport::tcp {
 
 namespace asio = boost::asio;
 using tcp = asio::ip::tcp;
@@ -99,4 +99,4 @@ std::string congestion_control_of(int fd) {
   return std::string(name, strnlen(name, std::min<std::size_t>(len, sizeof name)));
 }
 
-}  // namespace collectived::tcp
+}  // namespace collectived::engine::transport::tcp

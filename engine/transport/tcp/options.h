@@ -13,7 +13,7 @@
 #include "engine/transport/tcp/peer_auth.h"
 #include "ipc/error.h"
 
-namespace collectived::tcp {
+namespace collectived::engine::transport::tcp {
 
 using PeerClock = std::chrono::steady_clock;
 
@@ -83,4 +83,4 @@ struct PeerAddress {
 /// Parses "host:port" or "[v6]:port". Throws Error(invalid_argument) saying why.
 PeerAddress parse_peer_address(const std::string& text);
 
-}  // namespace collectived::tcp
+}  // namespace collectived::engine::transport::tcp

@@ -14,7 +14,7 @@
 #include <cstring>
 #include <optional>
 
-namespace collectived::tcp {
+namespace collectived::engine::transport::tcp {
 
 namespace asio = boost::asio;
 using tcp = asio::ip::tcp;
@@ -724,4 +724,4 @@ void Pair::deliver_in_order(std::uint64_t channel) {
   }
 }
 
-}  // namespace collectived::tcp
+}  // namespace collectived::engine::transport::tcp

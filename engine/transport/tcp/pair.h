@@ -28,7 +28,7 @@
 #include "engine/transport/tcp/options.h"
 #include "engine/transport/tcp/stream.h"
 
-namespace collectived::tcp {
+namespace collectived::engine::transport::tcp {
 
 /// A connection to one peer daemon: `streams` authenticated TCP streams.
 class Pair : public std::enable_shared_from_this<Pair>, public StreamSink {
@@ -198,4 +198,4 @@ class Pair : public std::enable_shared_from_this<Pair>, public StreamSink {
   double skew_ms_ = 0;
 };
 
-}  // namespace collectived::tcp
+}  // namespace collectived::engine::transport::tcp

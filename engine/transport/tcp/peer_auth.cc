@@ -15,7 +15,7 @@
 #include "ipc/fd.h"
 #include "ipc/frame.h"
 
-namespace collectived::tcp {
+namespace collectived::engine::transport::tcp {
 
 namespace {
 
@@ -316,126 +316,27 @@ std::vector<std::vector<std::byte>> Handshake::refuse(Code code, std::string why
   return out;
 }
 
-std::vector<std::vector<std::byte>> Handshake::on_message(peerwire::PeerMessage::Reader m) {
+Handshake::Frames Handshake::on_message(peerwire::PeerMessage::Reader m) {
   if (state_ != State::in_progress) return {};
   using W = peerwire::PeerMessage;
   const auto which = m.which();
   if (which == W::ERROR) {
-    const auto e = m.getError();
-    if (remote_.node.empty()) remote_.node = std::string(e.getNodeName().cStr()).substr(0, 256);
-    state_ = State::failed;
-    refused_by_peer_ = true;
-    error_code_ = code_from_wire(static_cast<std::uint16_t>(e.getCode()));
-    if (error_code_ == Code::ok) error_code_ = Code::remote;
-    error_ = e.getMessage().cStr();
-    if (error_.empty()) error_ = remote_name() + " refused the connection without a reason";
+    on_error(m);
     return {};
   }
   switch (expect_) {
-    case Step::hello: {
-      if (which != W::HELLO) break;
-      const auto h = m.getHello();
-      remote_.protocol_version = h.getProtocolVersion();
-      remote_.node = std::string(h.getNodeName().cStr()).substr(0, 256);
-      remote_.listen_address = std::string(h.getListenAddress().cStr()).substr(0, 256);
-      remote_.daemon_version = std::string(h.getDaemonVersion().cStr()).substr(0, 64);
-      if (remote_.protocol_version != local_.protocol_version) {
-        return refuse(Code::protocol, version_mismatch(remote_.protocol_version));
-      }
-      transcript_.initiator_node = remote_.node;
-      transcript_.initiator_listen = remote_.listen_address;
-      transcript_.dialed = h.getDialedAddress().cStr();
-      transcript_.connection_id = h.getConnectionId();
-      transcript_.stream_index = h.getStreamIndex();
-      transcript_.streams = h.getStreams();
-      if (!copy_nonce(h.getNonce(), transcript_.initiator_nonce)) {
-        return refuse(Code::protocol, "its hello carries a nonce of " +
-                                          std::to_string(h.getNonce().size()) + " bytes, not " +
-                                          std::to_string(kNonceBytes));
-      }
-      if (transcript_.streams == 0 || transcript_.streams > kMaxStreams ||
-          transcript_.stream_index >= transcript_.streams) {
-        return refuse(Code::protocol, "stream " + std::to_string(transcript_.stream_index) +
-                                          " of " + std::to_string(transcript_.streams) +
-                                          " is out of range (1..64 streams)");
-      }
-      if (transcript_.dialed != local_endpoint_) {
-        return refuse(Code::permission_denied,
-                      "it dialed " + transcript_.dialed + " but reached this daemon at " +
-                          local_endpoint_ +
-                          " (address translation or a relay between the nodes; peer "
-                          "connections must reach the daemon's own address)");
-      }
-      transcript_.acceptor_nonce = random_nonce();
-      capnp::MallocMessageBuilder b;
-      auto c = b.initRoot<W>().initChallenge();
-      c.setProtocolVersion(local_.protocol_version);
-      c.setNodeName(local_.node.c_str());
-      c.setListenAddress(local_.listen_address.c_str());
-      c.setNonce(as_data(transcript_.acceptor_nonce));
-      c.setDaemonVersion(local_.daemon_version.c_str());
-      expect_ = Step::response;
-      std::vector<std::vector<std::byte>> out;
-      out.push_back(ipc::encode_frame(b));
-      return out;
-    }
-    case Step::challenge: {
-      if (which != W::CHALLENGE) break;
-      const auto c = m.getChallenge();
-      remote_.protocol_version = c.getProtocolVersion();
-      remote_.node = std::string(c.getNodeName().cStr()).substr(0, 256);
-      const std::string listen = c.getListenAddress().cStr();
-      remote_.listen_address = listen.empty() ? transcript_.dialed : listen.substr(0, 256);
-      remote_.daemon_version = std::string(c.getDaemonVersion().cStr()).substr(0, 64);
-      if (remote_.protocol_version != local_.protocol_version) {
-        return refuse(Code::protocol, version_mismatch(remote_.protocol_version));
-      }
-      if (!copy_nonce(c.getNonce(), transcript_.acceptor_nonce)) {
-        return refuse(Code::protocol, "its challenge carries a nonce of " +
-                                          std::to_string(c.getNonce().size()) + " bytes, not " +
-                                          std::to_string(kNonceBytes));
-      }
-      transcript_.acceptor_node = remote_.node;
-      transcript_.acceptor_listen = listen;
-      const Proof proof = prove(secret_, Role::initiator, transcript_);
-      capnp::MallocMessageBuilder b;
-      b.initRoot<W>().initResponse().setProof(as_data(proof));
-      expect_ = Step::ready;
-      std::vector<std::vector<std::byte>> out;
-      out.push_back(ipc::encode_frame(b));
-      return out;
-    }
-    case Step::response: {
-      if (which != W::RESPONSE) break;
-      const auto p = m.getResponse().getProof();
-      if (!verify(secret_, Role::initiator, transcript_,
-                  {reinterpret_cast<const std::byte*>(p.begin()), p.size()})) {
-        return refuse(Code::permission_denied,
-                      "authentication failed: " + remote_name() +
-                          " did not prove knowledge of the cluster secret; peer.secret_file "
-                          "must hold the same bytes on both nodes");
-      }
-      const Proof proof = prove(secret_, Role::acceptor, transcript_);
-      capnp::MallocMessageBuilder b;
-      b.initRoot<W>().initReady().setProof(as_data(proof));
-      state_ = State::done;
-      std::vector<std::vector<std::byte>> out;
-      out.push_back(ipc::encode_frame(b));
-      return out;
-    }
-    case Step::ready: {
-      if (which != W::READY) break;
-      const auto p = m.getReady().getProof();
-      if (!verify(secret_, Role::acceptor, transcript_,
-                  {reinterpret_cast<const std::byte*>(p.begin()), p.size()})) {
-        return refuse(Code::permission_denied,
-                      "authentication failed: " + remote_name() +
-                          " did not prove knowledge of the cluster secret; peer.secret_file "
-                          "must hold the same bytes on both nodes");
-      }
-      state_ = State::done;
-      return {};
-    }
+    case Step::hello:
+      if (which == W::HELLO) return on_hello(m);
+      break;
+    case Step::challenge:
+      if (which == W::CHALLENGE) return on_challenge(m);
+      break;
+    case Step::response:
+      if (which == W::RESPONSE) return on_response(m);
+      break;
+    case Step::ready:
+      if (which == W::READY) return on_ready(m);
+      break;
   }
   static constexpr const char* kExpected[] = {"hello", "challenge", "response", "ready"};
   return refuse(Code::protocol, std::string("it sent ") + step_name(which) +
@@ -443,4 +344,122 @@ std::vector<std::vector<std::byte>> Handshake::on_message(peerwire::PeerMessage:
                                     kExpected[static_cast<int>(expect_)] + " was expected");
 }
 
-}  // namespace collectived::tcp
+void Handshake::on_error(peerwire::PeerMessage::Reader m) {
+  const auto e = m.getError();
+  if (remote_.node.empty()) remote_.node = std::string(e.getNodeName().cStr()).substr(0, 256);
+  state_ = State::failed;
+  refused_by_peer_ = true;
+  error_code_ = code_from_wire(static_cast<std::uint16_t>(e.getCode()));
+  if (error_code_ == Code::ok) error_code_ = Code::remote;
+  error_ = e.getMessage().cStr();
+  if (error_.empty()) error_ = remote_name() + " refused the connection without a reason";
+}
+
+Handshake::Frames Handshake::on_hello(peerwire::PeerMessage::Reader m) {
+  using W = peerwire::PeerMessage;
+  const auto h = m.getHello();
+  remote_.protocol_version = h.getProtocolVersion();
+  remote_.node = std::string(h.getNodeName().cStr()).substr(0, 256);
+  remote_.listen_address = std::string(h.getListenAddress().cStr()).substr(0, 256);
+  remote_.daemon_version = std::string(h.getDaemonVersion().cStr()).substr(0, 64);
+  if (remote_.protocol_version != local_.protocol_version) {
+    return refuse(Code::protocol, version_mismatch(remote_.protocol_version));
+  }
+  transcript_.initiator_node = remote_.node;
+  transcript_.initiator_listen = remote_.listen_address;
+  transcript_.dialed = h.getDialedAddress().cStr();
+  transcript_.connection_id = h.getConnectionId();
+  transcript_.stream_index = h.getStreamIndex();
+  transcript_.streams = h.getStreams();
+  if (!copy_nonce(h.getNonce(), transcript_.initiator_nonce)) {
+    return refuse(Code::protocol, "its hello carries a nonce of " +
+                                      std::to_string(h.getNonce().size()) + " bytes, not " +
+                                      std::to_string(kNonceBytes));
+  }
+  if (transcript_.streams == 0 || transcript_.streams > kMaxStreams ||
+      transcript_.stream_index >= transcript_.streams) {
+    return refuse(Code::protocol, "stream " + std::to_string(transcript_.stream_index) +
+                                      " of " + std::to_string(transcript_.streams) +
+                                      " is out of range (1..64 streams)");
+  }
+  if (transcript_.dialed != local_endpoint_) {
+    return refuse(Code::permission_denied,
+                  "it dialed " + transcript_.dialed + " but reached this daemon at " +
+                      local_endpoint_ +
+                      " (address translation or a relay between the nodes; peer "
+                      "connections must reach the daemon's own address)");
+  }
+  transcript_.acceptor_nonce = random_nonce();
+  capnp::MallocMessageBuilder b;
+  auto c = b.initRoot<W>().initChallenge();
+  c.setProtocolVersion(local_.protocol_version);
+  c.setNodeName(local_.node.c_str());
+  c.setListenAddress(local_.listen_address.c_str());
+  c.setNonce(as_data(transcript_.acceptor_nonce));
+  c.setDaemonVersion(local_.daemon_version.c_str());
+  expect_ = Step::response;
+  std::vector<std::vector<std::byte>> out;
+  out.push_back(ipc::encode_frame(b));
+  return out;
+}
+
+Handshake::Frames Handshake::on_challenge(peerwire::PeerMessage::Reader m) {
+  using W = peerwire::PeerMessage;
+  const auto c = m.getChallenge();
+  remote_.protocol_version = c.getProtocolVersion();
+  remote_.node = std::string(c.getNodeName().cStr()).substr(0, 256);
+  const std::string listen = c.getListenAddress().cStr();
+  remote_.listen_address = listen.empty() ? transcript_.dialed : listen.substr(0, 256);
+  remote_.daemon_version = std::string(c.getDaemonVersion().cStr()).substr(0, 64);
+  if (remote_.protocol_version != local_.protocol_version) {
+    return refuse(Code::protocol, version_mismatch(remote_.protocol_version));
+  }
+  if (!copy_nonce(c.getNonce(), transcript_.acceptor_nonce)) {
+    return refuse(Code::protocol, "its challenge carries a nonce of " +
+                                      std::to_string(c.getNonce().size()) + " bytes, not " +
+                                      std::to_string(kNonceBytes));
+  }
+  transcript_.acceptor_node = remote_.node;
+  transcript_.acceptor_listen = listen;
+  const Proof proof = prove(secret_, Role::initiator, transcript_);
+  capnp::MallocMessageBuilder b;
+  b.initRoot<W>().initResponse().setProof(as_data(proof));
+  expect_ = Step::ready;
+  std::vector<std::vector<std::byte>> out;
+  out.push_back(ipc::encode_frame(b));
+  return out;
+}
+
+Handshake::Frames Handshake::on_response(peerwire::PeerMessage::Reader m) {
+  using W = peerwire::PeerMessage;
+  const auto p = m.getResponse().getProof();
+  if (!verify(secret_, Role::initiator, transcript_,
+              {reinterpret_cast<const std::byte*>(p.begin()), p.size()})) {
+    return refuse(Code::permission_denied,
+                  "authentication failed: " + remote_name() +
+                      " did not prove knowledge of the cluster secret; peer.secret_file "
+                      "must hold the same bytes on both nodes");
+  }
+  const Proof proof = prove(secret_, Role::acceptor, transcript_);
+  capnp::MallocMessageBuilder b;
+  b.initRoot<W>().initReady().setProof(as_data(proof));
+  state_ = State::done;
+  std::vector<std::vector<std::byte>> out;
+  out.push_back(ipc::encode_frame(b));
+  return out;
+}
+
+Handshake::Frames Handshake::on_ready(peerwire::PeerMessage::Reader m) {
+  const auto p = m.getReady().getProof();
+  if (!verify(secret_, Role::acceptor, transcript_,
+              {reinterpret_cast<const std::byte*>(p.begin()), p.size()})) {
+    return refuse(Code::permission_denied,
+                  "authentication failed: " + remote_name() +
+                      " did not prove knowledge of the cluster secret; peer.secret_file "
+                      "must hold the same bytes on both nodes");
+  }
+  state_ = State::done;
+  return {};
+}
+
+}  // namespace collectived::engine::transport::tcp

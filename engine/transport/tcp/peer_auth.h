@@ -26,7 +26,7 @@
 #include "ipc/error.h"
 #include "ipc/peer.capnp.h"
 
-namespace collectived::tcp {
+namespace collectived::engine::transport::tcp {
 
 inline constexpr std::size_t kNonceBytes = 32;
 inline constexpr std::size_t kProofBytes = 32;  // HMAC-SHA256
@@ -140,8 +140,15 @@ class Handshake {
   bool refused() const { return refused_by_peer_ || refused_by_us_; }
 
  private:
-  std::vector<std::vector<std::byte>> refuse(Code code, std::string why);
+  using Frames = std::vector<std::vector<std::byte>>;
+  Frames refuse(Code code, std::string why);
   std::string remote_name() const;
+  // One per step of the handshake (on_message dispatches).
+  void on_error(peerwire::PeerMessage::Reader m);
+  Frames on_hello(peerwire::PeerMessage::Reader m);
+  Frames on_challenge(peerwire::PeerMessage::Reader m);
+  Frames on_response(peerwire::PeerMessage::Reader m);
+  Frames on_ready(peerwire::PeerMessage::Reader m);
   std::string version_mismatch(std::uint32_t theirs) const;
 
   const Secret& secret_;
@@ -162,4 +169,4 @@ class Handshake {
 std::vector<std::byte> encode_peer_error(Code code, const std::string& message,
                                          const std::string& node = {});
 
-}  // namespace collectived::tcp
+}  // namespace collectived::engine::transport::tcp

@@ -17,7 +17,7 @@
 #include "ipc/frame.h"
 
 using namespace collectived;
-using namespace collectived::tcp;
+using namespace collectived::engine::transport::tcp;
 
 namespace {
 

@@ -14,7 +14,7 @@
 #include <cstring>
 #include <optional>
 
-namespace collectived::tcp {
+namespace collectived::engine::transport::tcp {
 
 namespace asio = boost::asio;
 using tcp = asio::ip::tcp;
@@ -345,4 +345,4 @@ void PeerStream::fail(Code code, const std::string& why, bool tell_peer) {
   if (auto sink = sink_.lock()) sink->on_stream_closed(*this, code, why);
 }
 
-}  // namespace collectived::tcp
+}  // namespace collectived::engine::transport::tcp

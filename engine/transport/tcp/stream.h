@@ -26,7 +26,7 @@
 
 #include "engine/transport/tcp/options.h"
 
-namespace collectived::tcp {
+namespace collectived::engine::transport::tcp {
 
 class PeerStream;
 
@@ -153,4 +153,4 @@ class PeerStream : public std::enable_shared_from_this<PeerStream> {
   PeerClock::time_point last_answer_;
 };
 
-}  // namespace collectived::tcp
+}  // namespace collectived::engine::transport::tcp

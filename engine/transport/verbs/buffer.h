@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <memory>
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 
 class Device;
 class Pair;
@@ -30,4 +30,4 @@ class Buffer {
   std::uint32_t lkey_ = 0;
 };
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

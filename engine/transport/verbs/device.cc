@@ -2,7 +2,7 @@
 
 #include "engine/transport/verbs/pair_impl.h"
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 
 // ---- Device -----------------------------------------------------------------------
 
@@ -301,4 +301,4 @@ std::vector<std::unique_ptr<Device>> open_devices(std::shared_ptr<const IbverbsL
   return out;
 }
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

@@ -16,7 +16,7 @@
 #include "engine/transport/verbs/options.h"
 #include "engine/transport/verbs/pair.h"
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 
 class IbverbsLibrary;
 
@@ -76,4 +76,4 @@ std::vector<std::unique_ptr<Device>> open_devices(std::shared_ptr<const IbverbsL
                                                   const Options& options,
                                                   const std::string& local_node);
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

@@ -12,7 +12,7 @@
 #include "engine/transport/verbs/ibverbs_library.h"
 #include "ipc/error.h"
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 namespace {
 
 std::string read_line(const std::filesystem::path& path) {
@@ -188,4 +188,4 @@ std::string describe(const std::vector<DeviceInfo>& devices) {
   return out.str();
 }
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

@@ -11,7 +11,7 @@
 
 struct ibv_context;
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 
 class IbverbsLibrary;
 struct IbverbsFunctions;
@@ -79,4 +79,4 @@ std::uint32_t mtu_bytes(int ibv_mtu_value);
 /// A readable multi-line listing of `devices` (for `doctor` and logs).
 std::string describe(const std::vector<DeviceInfo>& devices);
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

@@ -5,7 +5,7 @@
 
 #include "engine/transport/verbs/ibverbs_library.h"
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 
 GpuDirectStatus detect_gpudirect(const IbverbsLibrary* lib, std::optional<bool> cuda_dmabuf,
                                  const std::string& sysfs_root) {
@@ -58,4 +58,4 @@ GpuDirectStatus detect_gpudirect(const IbverbsLibrary* lib, std::optional<bool> 
   return s;
 }
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

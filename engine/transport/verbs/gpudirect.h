@@ -11,7 +11,7 @@
 #include <optional>
 #include <string>
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 
 class IbverbsLibrary;
 
@@ -30,4 +30,4 @@ struct GpuDirectStatus {
 GpuDirectStatus detect_gpudirect(const IbverbsLibrary* lib, std::optional<bool> cuda_dmabuf,
                                  const std::string& sysfs_root = "/sys");
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

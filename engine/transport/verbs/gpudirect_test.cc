@@ -9,7 +9,7 @@
 #include "engine/transport/verbs/ibverbs_library.h"
 #include "ipc/error.h"
 
-namespace v = collectived::verbs;
+namespace v = collectived::engine::transport::verbs;
 
 namespace {
 struct TempDir {

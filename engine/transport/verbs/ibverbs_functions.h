@@ -19,7 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 
 struct IbverbsFunctions {
   // Devices.
@@ -63,4 +63,4 @@ struct IbverbsFunctions {
   int query_port(ibv_context* context, std::uint8_t port, ibv_port_attr* attr) const;
 };
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

@@ -7,7 +7,7 @@
 #include "engine/transport/verbs/ibverbs_functions.h"
 #include "ipc/error.h"
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 namespace {
 
 std::string dlerror_text() {
@@ -103,4 +103,4 @@ IbverbsLibrary::~IbverbsLibrary() {
 
 bool IbverbsLibrary::has_dmabuf() const { return fn_->reg_dmabuf_mr != nullptr; }
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

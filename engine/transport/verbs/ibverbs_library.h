@@ -15,7 +15,7 @@
 #include <string>
 #include <string_view>
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 
 struct IbverbsFunctions;
 
@@ -54,4 +54,4 @@ class IbverbsLibrary {
   std::unique_ptr<IbverbsFunctions> fn_;
 };
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

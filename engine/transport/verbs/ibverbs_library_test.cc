@@ -11,7 +11,7 @@
 #include "engine/transport/verbs/ibverbs_library.h"
 #include "ipc/error.h"
 
-namespace v = collectived::verbs;
+namespace v = collectived::engine::transport::verbs;
 using collectived::Code;
 using collectived::Error;
 

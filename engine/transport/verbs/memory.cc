@@ -6,7 +6,7 @@
 
 #include "ipc/error.h"
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 namespace {
 constexpr std::size_t kAlign = 4096;
 std::size_t round_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
@@ -131,4 +131,4 @@ std::size_t MrCache::size() const {
   return lru_.size();
 }
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

@@ -12,7 +12,7 @@
 
 #include "engine/transport/verbs/resources.h"
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 
 /// Access every registration here grants: local writes (receives land in it)
 /// and remote writes (the peer's RDMA WRITEs target the receive slots).
@@ -92,4 +92,4 @@ class MrCache {
   std::uint64_t misses_ = 0;
 };
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

@@ -10,7 +10,7 @@
 
 #include "ipc/error.h"
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 
 namespace {
 
@@ -314,13 +314,22 @@ void NodeTransport::fail_pair(const std::string& address, const std::string& why
   if (pair && pair->healthy()) pair->fail(why);
 }
 
-void NodeTransport::sender_loop(Peer& p) {
-  // The writes of one message, kept until their local completions return
-  // `staging` to the spares of its rail. A message copied whole into
-  // `staging` had its `done` answered when it was posted (the caller's bytes
-  // were free then); one read in place holds its memory (`keep`) and its
-  // `done` until the writes completed, and a failure then is its answer. A
-  // write that fails breaks the pair, which reports the node down.
+// One peer's sender thread: connects when needed, stages messages into
+// registered pool buffers or writes their large pieces in place, and keeps
+// up to kWindow messages in flight.
+//
+// The writes of one message are kept until their local completions return
+// `staging` to the spares of its rail. A message copied whole into `staging`
+// had its `done` answered when it was posted (the caller's bytes were free
+// then); one read in place holds its memory (`keep`) and its `done` until the
+// writes completed, and a failure then is its answer. A write that fails
+// breaks the pair, which reports the node down.
+class NodeTransport::Sender {
+ public:
+  Sender(NodeTransport& t, Peer& p) : t_(t), p_(p), spare_(t.devices_.size()) {}
+  void run();
+
+ private:
   struct InFlight {
     std::shared_ptr<Rails> rails;
     std::vector<std::pair<std::shared_ptr<Pair>, std::uint64_t>> writes;
@@ -329,292 +338,343 @@ void NodeTransport::sender_loop(Peer& p) {
     std::shared_ptr<const void> keep;
     Done done;
   };
-  std::deque<InFlight> in_flight;
-  // Staging buffers from each rail's registered pool, reused.
-  std::vector<std::vector<Buffer>> spare(devices_.size());
-  std::shared_ptr<Rails> last_pair;
-  std::uint64_t next_tag = 1;
-  std::size_t next_rail = 0;
+  /// Which payload pieces of a message are written in place (per piece, one
+  /// registered buffer per rail it is spread over; empty: copied), and the
+  /// bytes of each kind.
+  struct Layout {
+    std::vector<std::vector<Buffer>> direct;
+    std::size_t staged = 0;
+    std::uint64_t in_place = 0;
+  };
 
-  auto retire = [&](InFlight& f, Code code, const std::string& why) {
-    if (f.staging && spare[f.rail].size() < kWindow) spare[f.rail].push_back(std::move(f.staging));
-    f.keep.reset();
-    if (f.done) std::exchange(f.done, nullptr)(code, why);
-  };
-  // Completed messages, oldest first, without waiting.
-  auto reap = [&] {
-    while (!in_flight.empty()) {
-      InFlight& f = in_flight.front();
-      Code code = Code::ok;
-      std::string why;
-      try {
-        for (const auto& [q, id] : f.writes) {
-          if (!q->written(id)) return;
-        }
-      } catch (const Error&) {
-        // broken or dropped: the receiver reports the node down
-        code = Code::remote;
-        why = rails_error(*f.rails);
-      }
-      InFlight done = std::move(f);
-      in_flight.pop_front();
-      retire(done, code, why);
-    }
-  };
-  // The oldest message, waiting for its writes (window full, pair replaced, closing).
-  auto complete_oldest = [&] {
-    InFlight f = std::move(in_flight.front());
-    in_flight.pop_front();
+  void retire(InFlight& f, Code code, const std::string& why);
+  void reap();
+  void complete_oldest();
+  bool awaited() const;
+  std::shared_ptr<Rails> healthy_pair(Item& item);
+  Buffer registered(engine::HostRegion* r, std::size_t k);
+  Layout lay_out(const engine::OutMessage& m, std::size_t home, std::size_t rails);
+  void post_writes(InFlight& f, const engine::OutMessage& m, const Layout& layout,
+                   std::uint64_t tag);
+  void send(Item item, const std::shared_ptr<Rails>& pair);
+
+  NodeTransport& t_;
+  Peer& p_;
+  std::deque<InFlight> in_flight_;
+  // Staging buffers from each rail's registered pool, reused.
+  std::vector<std::vector<Buffer>> spare_;
+  std::shared_ptr<Rails> last_pair_;
+  std::uint64_t next_tag_ = 1;
+  std::size_t next_rail_ = 0;
+};
+
+void NodeTransport::sender_loop(Peer& p) { Sender(*this, p).run(); }
+
+void NodeTransport::Sender::retire(InFlight& f, Code code, const std::string& why) {
+  if (f.staging && spare_[f.rail].size() < kWindow) spare_[f.rail].push_back(std::move(f.staging));
+  f.keep.reset();
+  if (f.done) std::exchange(f.done, nullptr)(code, why);
+}
+
+// Completed messages, oldest first, without waiting.
+void NodeTransport::Sender::reap() {
+  while (!in_flight_.empty()) {
+    InFlight& f = in_flight_.front();
     Code code = Code::ok;
     std::string why;
     try {
-      for (const auto& [q, id] : f.writes) q->wait_written(id, Clock::now() + send_deadline_);
-    } catch (const Error& e) {
-      // as above
-      code = e.code() == Code::timeout ? Code::timeout : Code::remote;
-      why = f.rails->healthy() ? std::string(e.what()) : rails_error(*f.rails);
+      for (const auto& [q, id] : f.writes) {
+        if (!q->written(id)) return;
+      }
+    } catch (const Error&) {
+      // broken or dropped: the receiver reports the node down
+      code = Code::remote;
+      why = rails_error(*f.rails);
     }
-    retire(f, code, why);
-  };
-  // Whether a message read in place still waits for its writes: its `done`
-  // comes from this thread, so it must not sleep on an empty queue meanwhile.
-  auto awaited = [&] {
-    return std::any_of(in_flight.begin(), in_flight.end(),
-                       [](const InFlight& f) { return static_cast<bool>(f.done); });
-  };
+    InFlight done = std::move(f);
+    in_flight_.pop_front();
+    retire(done, code, why);
+  }
+}
 
+// The oldest message, waiting for its writes (window full, pair replaced, closing).
+void NodeTransport::Sender::complete_oldest() {
+  InFlight f = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  Code code = Code::ok;
+  std::string why;
+  try {
+    for (const auto& [q, id] : f.writes) q->wait_written(id, Clock::now() + t_.send_deadline_);
+  } catch (const Error& e) {
+    // as above
+    code = e.code() == Code::timeout ? Code::timeout : Code::remote;
+    why = f.rails->healthy() ? std::string(e.what()) : rails_error(*f.rails);
+  }
+  retire(f, code, why);
+}
+
+// Whether a message read in place still waits for its writes: its `done`
+// comes from this thread, so it must not sleep on an empty queue meanwhile.
+bool NodeTransport::Sender::awaited() const {
+  return std::any_of(in_flight_.begin(), in_flight_.end(),
+                     [](const InFlight& f) { return static_cast<bool>(f.done); });
+}
+
+void NodeTransport::Sender::run() {
   while (true) {
     Item item;
     bool drain = false;
     {
-      std::unique_lock lock(p.mu);
-      if (p.queue.empty() && !p.stop && awaited()) {
+      std::unique_lock lock(p_.mu);
+      if (p_.queue.empty() && !p_.stop && awaited()) {
         drain = true;
       } else {
-        p.cv.wait(lock, [&] { return p.stop || !p.queue.empty(); });
-        if (p.stop) break;
-        item = std::move(p.queue.front());
-        p.queue.pop_front();
+        p_.cv.wait(lock, [&] { return p_.stop || !p_.queue.empty(); });
+        if (p_.stop) break;
+        item = std::move(p_.queue.front());
+        p_.queue.pop_front();
       }
     }
     if (drain) {
       complete_oldest();
       continue;
     }
-    std::shared_ptr<Rails> pair;
-    {
-      std::lock_guard lock(p.mu);
-      pair = p.pair;
-    }
-    if (!pair || !pair->healthy()) {
-      while (!in_flight.empty()) complete_oldest();
-      std::optional<Error> failed;
-      if (!connector_) {
-        if (pair) {
-          failed.emplace(Code::remote, rails_error(*pair));
-        } else {
-          failed.emplace(Code::unavailable, "no verbs connection to " + p.address);
-        }
-      } else {
-        try {
-          connector_(p.address);
-        } catch (const Error& e) {
-          failed.emplace(e);
-        }
-      }
-      if (!failed) {
-        std::lock_guard lock(p.mu);
-        pair = p.pair;
-        if (!pair || !pair->healthy()) {
-          failed.emplace(Code::unavailable,
-                         pair ? rails_error(*pair) : "no verbs connection to " + p.address);
-        }
-      }
-      if (failed) {
-        // This message and everything queued behind it: handed over (the
-        // selection falls back to TCP) or failed, in order.
-        std::vector<Item> items;
-        items.push_back(std::move(item));
-        {
-          std::lock_guard lock(p.mu);
-          while (!p.queue.empty()) {
-            items.push_back(std::move(p.queue.front()));
-            p.queue.pop_front();
-          }
-          p.error = failed->what();
-        }
-        if (connect_failed_) {
-          connect_failed_(p.address, *failed, std::move(items));
-        } else {
-          for (auto& i : items) {
-            if (i.second) i.second(failed->code(), failed->what());
-          }
-        }
-        continue;
-      }
-    }
-    if (pair != last_pair) {
+    std::shared_ptr<Rails> pair = healthy_pair(item);
+    if (!pair) continue;
+    if (pair != last_pair_) {
       // A new connection: both sides start counting tags again.
-      while (!in_flight.empty()) complete_oldest();
-      last_pair = pair;
-      next_tag = 1;
-      next_rail = 0;
+      while (!in_flight_.empty()) complete_oldest();
+      last_pair_ = pair;
+      next_tag_ = 1;
+      next_rail_ = 0;
     }
     reap();
-    if (in_flight.size() >= kWindow) complete_oldest();
-    const std::size_t rails = pair->pairs.size();
-    // The message's head and copied pieces go on one rail, in turn.
-    const std::size_t home = next_rail++ % rails;
-    InFlight f;
-    f.rails = pair;
-    f.rail = home;
-    bool deferred = false;  // read in place: `done` waits for the writes
-    try {
-      const engine::OutMessage& m = item.first;
-      const std::size_t n = m.size();
-      // Client memory registered with rail `k`'s device: once per mapping (the
-      // MR cache), dropped when the mapping goes (the invalidator attached to
-      // its region), before the memory is unmapped, so that a new mapping at
-      // the same address is never served it. Empty Buffer: not registered.
-      auto registered = [&](engine::HostRegion* r, std::size_t k) -> Buffer {
-        Device& d = *devices_[k];
-        auto* base = const_cast<std::byte*>(r->base());
-        r->attach(&d, [&] {
-          auto st = std::make_shared<RegionState>();
-          st->invalidator = d.invalidator(base, r->size());
-          return st;
-        });
-        const auto st = std::static_pointer_cast<RegionState>(r->attached(&d));
-        if (st->refused.load()) return {};
-        try {
-          return d.register_memory(base, r->size());
-        } catch (const Error& e) {
-          // Not fatal: this mapping's pieces are copied like any other (not
-          // tried again: a refused registration costs as much as a good
-          // one), and status says why.
-          st->refused.store(true);
-          std::lock_guard lock(p.mu);
-          p.in_place_error = e.what();
-          return {};
-        }
-      };
-      // Which payload pieces are written in place, and on which rails: a
-      // piece large enough for a write per rail is spread over all of them.
-      std::vector<std::vector<Buffer>> direct(m.payload.size());
-      std::size_t staged = m.head.size();
-      std::uint64_t in_place = 0;
-      for (std::size_t i = 0; i < m.payload.size(); ++i) {
-        engine::HostRegion* r = i < m.regions.size() ? m.regions[i] : nullptr;
-        const std::size_t len = m.payload[i].size();
-        if (r != nullptr && in_place_min_ != 0 && len >= in_place_min_) {
-          const std::size_t split = std::max<std::uint64_t>(in_place_min_, kInPlaceMinBytes);
-          const std::size_t ways = len >= rails * split ? rails : 1;
-          for (std::size_t w = 0; w < ways; ++w) {
-            Buffer b = registered(r, (home + w) % rails);
-            if (!b) {
-              direct[i].clear();
-              break;
-            }
-            direct[i].push_back(std::move(b));
-          }
-        }
-        if (!direct[i].empty()) {
-          in_place += len;
-        } else {
-          staged += len;
-        }
-      }
-      for (auto it = spare[home].begin(); it != spare[home].end(); ++it) {
-        if (it->size() >= std::max<std::size_t>(staged, 1)) {
-          f.staging = std::move(*it);
-          spare[home].erase(it);
-          break;
-        }
-      }
-      if (!f.staging) f.staging = devices_[home]->allocate(std::max<std::size_t>(staged, 4096));
-      const std::uint64_t tag = next_tag++;
-      // Head and the copied pieces gather into the staging buffer; each run of
-      // them between pieces written in place is one write, each piece in place
-      // one per rail it is spread over; the receiver reassembles them by offset.
-      const MessagePart whole{};
-      auto part = [&](std::size_t offset) {
-        return in_place == 0 ? whole : MessagePart{offset, n};
-      };
-      const std::shared_ptr<Pair>& home_pair = pair->pairs[home];
-      std::byte* stage = f.staging.data();
-      if (!m.head.empty()) std::memcpy(stage, m.head.data(), m.head.size());
-      std::size_t at = m.head.size();       // in the message
-      std::size_t run_from = 0;             // message offset of the current staged run
-      std::size_t run_stage = 0;            // its offset in staging
-      std::size_t run_len = m.head.size();  // the head starts the first run
-      for (std::size_t i = 0; i < m.payload.size(); ++i) {
-        const auto& piece = m.payload[i];
-        if (!direct[i].empty()) {
-          const std::size_t ways = direct[i].size();
-          // Equal shares, 4 KiB aligned, the last one takes the rest.
-          const std::size_t share = (piece.size() / ways) & ~std::size_t{4095};
-          std::size_t done_bytes = 0;
-          for (std::size_t w = 0; w < ways; ++w) {
-            const std::size_t len = w + 1 == ways ? piece.size() - done_bytes : share;
-            const Buffer& b = direct[i][w];
-            const std::shared_ptr<Pair>& q = pair->pairs[(home + w) % rails];
-            const std::size_t from = static_cast<std::size_t>(piece.data() - b.data()) + done_bytes;
-            if (w == 0 && run_len > 0) {
-              // The staged run before the piece (the head, at least) rides in
-              // front of its first share: one write (home rail), not two.
-              f.writes.emplace_back(q, q->post_write(tag, f.staging, run_stage, run_len, b, from,
-                                                     len, part(run_from)));
-              run_stage += run_len;
-              run_len = 0;
-            } else {
-              f.writes.emplace_back(q, q->post_write(tag, b, from, len, part(at + done_bytes)));
-            }
-            done_bytes += len;
-          }
-          at += piece.size();
-          run_from = at;
-        } else {
-          if (!piece.empty()) std::memcpy(stage + run_stage + run_len, piece.data(), piece.size());
-          run_len += piece.size();
-          at += piece.size();
-        }
-      }
-      // An empty message is still one (zero-length) write.
-      if (run_len > 0 || f.writes.empty()) {
-        f.writes.emplace_back(home_pair, home_pair->post_write(tag, f.staging, run_stage, run_len,
-                                                               part(run_from)));
-      }
-      {
-        std::lock_guard lock(p.mu);
-        p.staged_bytes += staged;
-        if (in_place > 0) {
-          ++p.in_place_messages;
-          p.in_place_bytes += in_place;
-        }
-      }
-      deferred = in_place > 0;
-      if (const std::uint64_t left = force_after_.load(); left > 0) {
-        if (force_after_.fetch_sub(1) == 1) pair->pairs.front()->force_error();
-      }
-    } catch (const Error& e) {
-      // Writes already posted read their memory until they complete.
-      if (!f.writes.empty()) {
-        f.keep = std::move(item.first.keep);
-        in_flight.push_back(std::move(f));
-      }
-      if (item.second) item.second(e.code(), e.what());
-      continue;
-    }
-    if (deferred) {
-      f.keep = std::move(item.first.keep);
-      f.done = std::move(item.second);
-      in_flight.push_back(std::move(f));
+    if (in_flight_.size() >= kWindow) complete_oldest();
+    send(std::move(item), pair);
+  }
+  while (!in_flight_.empty()) complete_oldest();
+}
+
+// The peer's working pair, connecting first where there is none. Null when
+// none could be had: `item` and everything queued behind it were then handed
+// over (the selection falls back to TCP) or failed, in order.
+std::shared_ptr<NodeTransport::Rails> NodeTransport::Sender::healthy_pair(Item& item) {
+  std::shared_ptr<Rails> pair;
+  {
+    std::lock_guard lock(p_.mu);
+    pair = p_.pair;
+  }
+  if (pair && pair->healthy()) return pair;
+  while (!in_flight_.empty()) complete_oldest();
+  std::optional<Error> failed;
+  if (!t_.connector_) {
+    if (pair) {
+      failed.emplace(Code::remote, rails_error(*pair));
     } else {
-      in_flight.push_back(std::move(f));
-      if (item.second) item.second(Code::ok, "");
+      failed.emplace(Code::unavailable, "no verbs connection to " + p_.address);
+    }
+  } else {
+    try {
+      t_.connector_(p_.address);
+    } catch (const Error& e) {
+      failed.emplace(e);
     }
   }
-  while (!in_flight.empty()) complete_oldest();
+  if (!failed) {
+    std::lock_guard lock(p_.mu);
+    pair = p_.pair;
+    if (pair && pair->healthy()) return pair;
+    failed.emplace(Code::unavailable,
+                   pair ? rails_error(*pair) : "no verbs connection to " + p_.address);
+  }
+  std::vector<Item> items;
+  items.push_back(std::move(item));
+  {
+    std::lock_guard lock(p_.mu);
+    while (!p_.queue.empty()) {
+      items.push_back(std::move(p_.queue.front()));
+      p_.queue.pop_front();
+    }
+    p_.error = failed->what();
+  }
+  if (t_.connect_failed_) {
+    t_.connect_failed_(p_.address, *failed, std::move(items));
+  } else {
+    for (auto& i : items) {
+      if (i.second) i.second(failed->code(), failed->what());
+    }
+  }
+  return nullptr;
+}
+
+// Client memory registered with rail `k`'s device: once per mapping (the MR
+// cache), dropped when the mapping goes (the invalidator attached to its
+// region), before the memory is unmapped, so that a new mapping at the same
+// address is never served it. Empty Buffer: not registered.
+Buffer NodeTransport::Sender::registered(engine::HostRegion* r, std::size_t k) {
+  Device& d = *t_.devices_[k];
+  auto* base = const_cast<std::byte*>(r->base());
+  r->attach(&d, [&] {
+    auto st = std::make_shared<RegionState>();
+    st->invalidator = d.invalidator(base, r->size());
+    return st;
+  });
+  const auto st = std::static_pointer_cast<RegionState>(r->attached(&d));
+  if (st->refused.load()) return {};
+  try {
+    return d.register_memory(base, r->size());
+  } catch (const Error& e) {
+    // Not fatal: this mapping's pieces are copied like any other (not tried
+    // again: a refused registration costs as much as a good one), and status
+    // says why.
+    st->refused.store(true);
+    std::lock_guard lock(p_.mu);
+    p_.in_place_error = e.what();
+    return {};
+  }
+}
+
+// Which payload pieces are written in place, and on which rails: a piece
+// large enough for a write per rail is spread over all of them.
+NodeTransport::Sender::Layout NodeTransport::Sender::lay_out(const engine::OutMessage& m,
+                                                             std::size_t home, std::size_t rails) {
+  Layout l;
+  l.direct.resize(m.payload.size());
+  l.staged = m.head.size();
+  const std::uint64_t min = t_.in_place_min_;
+  for (std::size_t i = 0; i < m.payload.size(); ++i) {
+    engine::HostRegion* r = i < m.regions.size() ? m.regions[i] : nullptr;
+    const std::size_t len = m.payload[i].size();
+    if (r != nullptr && min != 0 && len >= min) {
+      const std::size_t split = std::max<std::uint64_t>(min, kInPlaceMinBytes);
+      const std::size_t ways = len >= rails * split ? rails : 1;
+      for (std::size_t w = 0; w < ways; ++w) {
+        Buffer b = registered(r, (home + w) % rails);
+        if (!b) {
+          l.direct[i].clear();
+          break;
+        }
+        l.direct[i].push_back(std::move(b));
+      }
+    }
+    if (!l.direct[i].empty()) {
+      l.in_place += len;
+    } else {
+      l.staged += len;
+    }
+  }
+  return l;
+}
+
+// Head and the copied pieces gather into `f.staging`; each run of them
+// between pieces written in place is one write, each piece in place one per
+// rail it is spread over; the receiver reassembles them by offset.
+void NodeTransport::Sender::post_writes(InFlight& f, const engine::OutMessage& m,
+                                        const Layout& layout, std::uint64_t tag) {
+  const std::size_t n = m.size();
+  const std::size_t rails = f.rails->pairs.size();
+  const std::size_t home = f.rail;
+  const MessagePart whole{};
+  auto part = [&](std::size_t offset) {
+    return layout.in_place == 0 ? whole : MessagePart{offset, n};
+  };
+  const std::shared_ptr<Pair>& home_pair = f.rails->pairs[home];
+  std::byte* stage = f.staging.data();
+  if (!m.head.empty()) std::memcpy(stage, m.head.data(), m.head.size());
+  std::size_t at = m.head.size();       // in the message
+  std::size_t run_from = 0;             // message offset of the current staged run
+  std::size_t run_stage = 0;            // its offset in staging
+  std::size_t run_len = m.head.size();  // the head starts the first run
+  for (std::size_t i = 0; i < m.payload.size(); ++i) {
+    const auto& piece = m.payload[i];
+    const std::vector<Buffer>& direct = layout.direct[i];
+    if (direct.empty()) {
+      if (!piece.empty()) std::memcpy(stage + run_stage + run_len, piece.data(), piece.size());
+      run_len += piece.size();
+      at += piece.size();
+      continue;
+    }
+    const std::size_t ways = direct.size();
+    // Equal shares, 4 KiB aligned, the last one takes the rest.
+    const std::size_t share = (piece.size() / ways) & ~std::size_t{4095};
+    std::size_t done_bytes = 0;
+    for (std::size_t w = 0; w < ways; ++w) {
+      const std::size_t len = w + 1 == ways ? piece.size() - done_bytes : share;
+      const Buffer& b = direct[w];
+      const std::shared_ptr<Pair>& q = f.rails->pairs[(home + w) % rails];
+      const std::size_t from = static_cast<std::size_t>(piece.data() - b.data()) + done_bytes;
+      if (w == 0 && run_len > 0) {
+        // The staged run before the piece (the head, at least) rides in
+        // front of its first share: one write (home rail), not two.
+        f.writes.emplace_back(q, q->post_write(tag, f.staging, run_stage, run_len, b, from, len,
+                                               part(run_from)));
+        run_stage += run_len;
+        run_len = 0;
+      } else {
+        f.writes.emplace_back(q, q->post_write(tag, b, from, len, part(at + done_bytes)));
+      }
+      done_bytes += len;
+    }
+    at += piece.size();
+    run_from = at;
+  }
+  // An empty message is still one (zero-length) write.
+  if (run_len > 0 || f.writes.empty()) {
+    f.writes.emplace_back(home_pair,
+                          home_pair->post_write(tag, f.staging, run_stage, run_len, part(run_from)));
+  }
+}
+
+void NodeTransport::Sender::send(Item item, const std::shared_ptr<Rails>& pair) {
+  // The message's head and copied pieces go on one rail, in turn.
+  const std::size_t home = next_rail_++ % pair->pairs.size();
+  InFlight f;
+  f.rails = pair;
+  f.rail = home;
+  bool deferred = false;  // read in place: `done` waits for the writes
+  try {
+    const engine::OutMessage& m = item.first;
+    const Layout layout = lay_out(m, home, pair->pairs.size());
+    for (auto it = spare_[home].begin(); it != spare_[home].end(); ++it) {
+      if (it->size() >= std::max<std::size_t>(layout.staged, 1)) {
+        f.staging = std::move(*it);
+        spare_[home].erase(it);
+        break;
+      }
+    }
+    if (!f.staging) {
+      f.staging = t_.devices_[home]->allocate(std::max<std::size_t>(layout.staged, 4096));
+    }
+    post_writes(f, m, layout, next_tag_++);
+    {
+      std::lock_guard lock(p_.mu);
+      p_.staged_bytes += layout.staged;
+      if (layout.in_place > 0) {
+        ++p_.in_place_messages;
+        p_.in_place_bytes += layout.in_place;
+      }
+    }
+    deferred = layout.in_place > 0;
+    if (const std::uint64_t left = t_.force_after_.load(); left > 0) {
+      if (t_.force_after_.fetch_sub(1) == 1) pair->pairs.front()->force_error();
+    }
+  } catch (const Error& e) {
+    // Writes already posted read their memory until they complete.
+    if (!f.writes.empty()) {
+      f.keep = std::move(item.first.keep);
+      in_flight_.push_back(std::move(f));
+    }
+    if (item.second) item.second(e.code(), e.what());
+    return;
+  }
+  if (deferred) {
+    f.keep = std::move(item.first.keep);
+    f.done = std::move(item.second);
+    in_flight_.push_back(std::move(f));
+  } else {
+    in_flight_.push_back(std::move(f));
+    if (item.second) item.second(Code::ok, "");
+  }
 }
 
 std::vector<NodeTransport::Item> NodeTransport::take_queued(const std::string& address) {
@@ -679,4 +739,4 @@ std::vector<VerbsPeerStatus> NodeTransport::status() const {
   return out;
 }
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

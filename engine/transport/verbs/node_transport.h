@@ -29,7 +29,7 @@
 #include "engine/transport/transport.h"
 #include "engine/transport/verbs/device.h"
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 
 /// One peer as status shows it.
 struct VerbsPeerStatus {
@@ -128,6 +128,7 @@ class NodeTransport final : public engine::NodeTransport {
   struct Reassembly;
 
  private:
+  class Sender;  // one peer's sender thread (node_transport.cc)
   std::shared_ptr<Peer> peer_for(const std::string& address);
   void sender_loop(Peer& p);
   void install(Peer& p, std::shared_ptr<Rails> rails);
@@ -147,4 +148,4 @@ class NodeTransport final : public engine::NodeTransport {
   std::map<std::string, std::shared_ptr<Peer>> peers_;
 };
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 
 Options Options::from_profile(const config::Profile& p) {
   Options o;
@@ -20,4 +20,4 @@ Options Options::from_profile(const config::Profile& p) {
   return o;
 }
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

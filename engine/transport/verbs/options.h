@@ -9,7 +9,7 @@
 
 #include "config/profile.h"
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 
 using Clock = std::chrono::steady_clock;
 
@@ -44,4 +44,4 @@ struct Options {
   static Options from_profile(const config::Profile& profile);
 };
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

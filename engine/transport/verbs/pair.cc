@@ -2,7 +2,7 @@
 
 #include "engine/transport/verbs/pair_impl.h"
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 
 Pair::Pair(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Pair::~Pair() = default;
@@ -207,4 +207,4 @@ PairStats Pair::stats() const {
   return impl_->stats;
 }
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

@@ -26,7 +26,7 @@
 #include "engine/transport/verbs/buffer.h"
 #include "engine/transport/verbs/options.h"
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 
 /// The byte channel a pair exchanges its queue-pair parameters over: the
 /// authenticated peer connection in the daemon, a socket in tests. Whole
@@ -133,4 +133,4 @@ class Pair {
   std::shared_ptr<Impl> impl_;
 };
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

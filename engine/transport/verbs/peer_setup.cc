@@ -16,7 +16,7 @@
 #include "engine/transport/verbs/pair.h"
 #include "ipc/peer.capnp.h"
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 
 namespace {
 
@@ -544,4 +544,4 @@ void PeerSetup::fill_status(wire::StatusReply::Builder status) const {
   v.setGpuDirectReason(gpudirect_reason_.c_str());
 }
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

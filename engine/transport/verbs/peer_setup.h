@@ -31,7 +31,7 @@
 #include "engine/transport/verbs/options.h"
 #include "ipc/protocol.capnp.h"
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 
 class Device;
 class IbverbsLibrary;
@@ -110,4 +110,4 @@ class PeerSetup {
   std::vector<std::pair<std::thread, std::shared_ptr<std::atomic<bool>>>> threads_;
 };
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

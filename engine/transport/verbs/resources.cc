@@ -7,7 +7,7 @@
 
 #include "ipc/error.h"
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 namespace {
 
 // Verbs calls return NULL or -1 with errno set, or return the error number itself.
@@ -151,4 +151,4 @@ MemoryRegion::~MemoryRegion() {
   if (mr_ != nullptr) pd_.context().fn().dereg_mr(mr_);
 }
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

@@ -12,7 +12,7 @@
 #include "engine/transport/verbs/ibverbs_functions.h"
 #include "engine/transport/verbs/ibverbs_library.h"
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 
 using LibraryPtr = std::shared_ptr<const IbverbsLibrary>;
 
@@ -117,4 +117,4 @@ class MemoryRegion {
   ibv_mr* mr_ = nullptr;
 };
 
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs

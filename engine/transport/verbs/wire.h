@@ -31,7 +31,7 @@
 #include "engine/transport/verbs/resources.h"
 #include "ipc/error.h"
 
-namespace collectived::verbs {
+namespace collectived::engine::transport::verbs {
 namespace detail {
 
 // ---- Wire formats ---------------------------------------------------------------
@@ -227,4 +227,4 @@ inline std::string size_text(std::uint64_t bytes) {
 }
 
 }  // namespace detail
-}  // namespace collectived::verbs
+}  // namespace collectived::engine::transport::verbs
