@@ -96,6 +96,12 @@ const char* step_name(peerwire::PeerMessage::Which w) {
   return "an unknown message";
 }
 
+std::vector<std::vector<std::byte>> one_frame(capnp::MessageBuilder& b) {
+  std::vector<std::vector<std::byte>> out;
+  out.push_back(ipc::encode_frame(b));
+  return out;
+}
+
 }  // namespace
 
 // --- Secret ------------------------------------------------------------------
@@ -293,9 +299,7 @@ std::vector<std::vector<std::byte>> Handshake::start() {
   h.setNonce(as_data(transcript_.initiator_nonce));
   h.setDialedAddress(transcript_.dialed.c_str());
   h.setDaemonVersion(local_.daemon_version.c_str());
-  std::vector<std::vector<std::byte>> out;
-  out.push_back(ipc::encode_frame(b));
-  return out;
+  return one_frame(b);
 }
 
 void Handshake::abort(Code code, std::string why) {
@@ -314,6 +318,18 @@ std::vector<std::vector<std::byte>> Handshake::refuse(Code code, std::string why
   std::vector<std::vector<std::byte>> out;
   out.push_back(encode_peer_error(code, text, local_.node));
   return out;
+}
+
+bool Handshake::proves(Role role, capnp::Data::Reader proof) const {
+  return verify(secret_, role, transcript_,
+                {reinterpret_cast<const std::byte*>(proof.begin()), proof.size()});
+}
+
+Handshake::Frames Handshake::refuse_unproven() {
+  return refuse(Code::permission_denied,
+                "authentication failed: " + remote_name() +
+                    " did not prove knowledge of the cluster secret; peer.secret_file must hold "
+                    "the same bytes on both nodes");
 }
 
 Handshake::Frames Handshake::on_message(peerwire::PeerMessage::Reader m) {
@@ -398,9 +414,7 @@ Handshake::Frames Handshake::on_hello(peerwire::PeerMessage::Reader m) {
   c.setNonce(as_data(transcript_.acceptor_nonce));
   c.setDaemonVersion(local_.daemon_version.c_str());
   expect_ = Step::response;
-  std::vector<std::vector<std::byte>> out;
-  out.push_back(ipc::encode_frame(b));
-  return out;
+  return one_frame(b);
 }
 
 Handshake::Frames Handshake::on_challenge(peerwire::PeerMessage::Reader m) {
@@ -425,39 +439,21 @@ Handshake::Frames Handshake::on_challenge(peerwire::PeerMessage::Reader m) {
   capnp::MallocMessageBuilder b;
   b.initRoot<W>().initResponse().setProof(as_data(proof));
   expect_ = Step::ready;
-  std::vector<std::vector<std::byte>> out;
-  out.push_back(ipc::encode_frame(b));
-  return out;
+  return one_frame(b);
 }
 
 Handshake::Frames Handshake::on_response(peerwire::PeerMessage::Reader m) {
   using W = peerwire::PeerMessage;
-  const auto p = m.getResponse().getProof();
-  if (!verify(secret_, Role::initiator, transcript_,
-              {reinterpret_cast<const std::byte*>(p.begin()), p.size()})) {
-    return refuse(Code::permission_denied,
-                  "authentication failed: " + remote_name() +
-                      " did not prove knowledge of the cluster secret; peer.secret_file "
-                      "must hold the same bytes on both nodes");
-  }
+  if (!proves(Role::initiator, m.getResponse().getProof())) return refuse_unproven();
   const Proof proof = prove(secret_, Role::acceptor, transcript_);
   capnp::MallocMessageBuilder b;
   b.initRoot<W>().initReady().setProof(as_data(proof));
   state_ = State::done;
-  std::vector<std::vector<std::byte>> out;
-  out.push_back(ipc::encode_frame(b));
-  return out;
+  return one_frame(b);
 }
 
 Handshake::Frames Handshake::on_ready(peerwire::PeerMessage::Reader m) {
-  const auto p = m.getReady().getProof();
-  if (!verify(secret_, Role::acceptor, transcript_,
-              {reinterpret_cast<const std::byte*>(p.begin()), p.size()})) {
-    return refuse(Code::permission_denied,
-                  "authentication failed: " + remote_name() +
-                      " did not prove knowledge of the cluster secret; peer.secret_file "
-                      "must hold the same bytes on both nodes");
-  }
+  if (!proves(Role::acceptor, m.getReady().getProof())) return refuse_unproven();
   state_ = State::done;
   return {};
 }

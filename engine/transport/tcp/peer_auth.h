@@ -143,6 +143,10 @@ class Handshake {
   using Frames = std::vector<std::vector<std::byte>>;
   Frames refuse(Code code, std::string why);
   std::string remote_name() const;
+  /// Whether `proof` is the other side's, as `role`, over this transcript.
+  bool proves(Role role, capnp::Data::Reader proof) const;
+  /// The refusal of a wrong proof (it names the secret file).
+  Frames refuse_unproven();
   // One per step of the handshake (on_message dispatches).
   void on_error(peerwire::PeerMessage::Reader m);
   Frames on_hello(peerwire::PeerMessage::Reader m);
