@@ -17,7 +17,7 @@ template <typename Start>
 void Engine::Impl::answer_when_done(const std::shared_ptr<Deliveries>& answers, std::uint64_t seq,
                                     Deliveries& out, Start&& start) {
   try {
-    start(std::function<void(Code, std::string)>([this, answers, seq](Code code, std::string message) {
+    start(std::function<void(Code, std::string)>([answers, seq](Code code, std::string message) {
       if (code != Code::ok) {
         for (auto& d : *answers) d.result = error(code, message, seq);
       }

@@ -86,7 +86,11 @@ void Engine::Impl::submit_part(Locked lk, const ClientRef& client, std::uint64_t
   const std::string op(to_string(args.kind));
   Member& m = comm.members[rank];
   const std::uint64_t seq = m.next_seq++;
-  auto [it, fresh] = comm.slots.try_emplace(seq);
+  // Not a structured binding: the lambda below captures `it` (clang before
+  // 16 cannot capture a binding).
+  const auto emplaced = comm.slots.try_emplace(seq);
+  const auto it = emplaced.first;
+  const bool fresh = emplaced.second;
   Slot& slot = it->second;
   const Clock::time_point now = Clock::now();
   if (fresh) {
