@@ -2,6 +2,7 @@
 // error messages.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -111,7 +112,7 @@ TEST_CASE("a thread asleep on the completion ring for its operation does not hol
     collective_request_free(r);
   });
   std::this_thread::sleep_for(200ms);  // A is the ring's reader, asleep
-  Clock::duration late{};
+  std::vector<Clock::duration> late;
   for (int i = 0; i < 20; ++i) {
     collective_request_t* r = nullptr;
     REQUIRE(collective_barrier(b0, &r) == COLLECTIVE_OK);
@@ -129,11 +130,16 @@ TEST_CASE("a thread asleep on the completion ring for its operation does not hol
     collective_request_free(r);
     const auto done = Clock::now();
     partner.join();
-    late += done - sent;
+    late.push_back(done - sent);
   }
-  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(late).count();
-  INFO("20 barriers completed " << ms << " ms after their second rank came, in all");
-  CHECK(ms < 100);
+  // The median, not the sum: on a loaded machine a few barriers are late for
+  // want of a core, while held up by the sleeper they are late by half its
+  // slice (10 ms) on average.
+  std::sort(late.begin(), late.end());
+  const auto median_us =
+      std::chrono::duration_cast<std::chrono::microseconds>(late[late.size() / 2]).count();
+  INFO("a barrier completed " << median_us << " us (median of 20) after its second rank came");
+  CHECK(median_us < 5000);
   CHECK(a_result == -1);  // still waiting
   collective_request_t* q = nullptr;
   REQUIRE(collective_barrier(a1, &q) == COLLECTIVE_OK);
