@@ -3,7 +3,9 @@
 #include <ATen/core/jit_type.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <iterator>
 #include <cstring>
 
 namespace collectived::client::torch_backend {
@@ -199,6 +201,8 @@ void Progress::enqueue(c10::intrusive_ptr<Work> w) {
     wake = !queue_.empty() || w->urgent();
     queue_.push_back(std::move(w));
     ++enqueued_;
+    std::move(graveyard_.begin(), graveyard_.end(), std::back_inserter(done));
+    graveyard_.clear();
   }
   if (wake) cv_.notify_all();
   if (!done.empty()) drained_cv_.notify_all();
@@ -212,11 +216,17 @@ void Progress::poke() {
 }
 
 void Progress::drain() {
-  std::unique_lock lock(mu_);
-  const std::uint64_t target = enqueued_;
-  for (auto& w : queue_) w->make_urgent();
-  cv_.notify_all();
-  drained_cv_.wait(lock, [&] { return completed_ >= target; });
+  std::vector<c10::intrusive_ptr<Work>> dead;
+  {
+    std::unique_lock lock(mu_);
+    const std::uint64_t target = enqueued_;
+    for (auto& w : queue_) w->make_urgent();
+    cv_.notify_all();
+    drained_cv_.wait(lock, [&] { return completed_ >= target; });
+    dead.swap(graveyard_);
+  }
+  // The last references go here, unlocked (see run()).
+  dead.clear();
 }
 
 void Progress::run() {
@@ -226,11 +236,13 @@ void Progress::run() {
     if (queue_.empty()) return;  // stopping, nothing left
     c10::intrusive_ptr<Work> w = queue_.front();
     step(lock, w);
-    // The last reference may free tensors whose owner is Python (the GIL):
-    // never with mu_ held, which a thread holding the GIL may be waiting for.
-    lock.unlock();
-    w.reset();
-    lock.lock();
+    // Never the last reference here: it may free tensors whose owner is
+    // Python, which takes the GIL, and a thread that asks for the GIL while
+    // the interpreter finalizes is ended (pthread_exit) inside ~Work, which
+    // cannot unwind (std::terminate at exit, seen with FSDP2). The threads
+    // that submit or drain, Python's own, release them (enqueue, drain).
+    // Still at the head, the queue holds it too: dropping `w` frees nothing.
+    if (queue_.empty() || queue_.front() != w) graveyard_.push_back(std::move(w));
   }
 }
 

@@ -124,6 +124,9 @@ class Progress {
   std::condition_variable cv_;          ///< wakes Progress
   std::condition_variable drained_cv_;  ///< Works popped (drain() waits)
   std::deque<c10::intrusive_ptr<Work>> queue_;
+  /// Works done with, released by the next enqueue() or drain() on the
+  /// caller's thread, never by Progress (run() says why).
+  std::vector<c10::intrusive_ptr<Work>> graveyard_;
   std::uint64_t enqueued_ = 0, completed_ = 0;
   bool stop_ = false;
   /// Progress waits for a Work another thread claimed: settling pokes it.
