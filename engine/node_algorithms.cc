@@ -19,6 +19,7 @@
 #include "engine/algorithms/passes.h"
 #include "engine/algorithms/recursive_doubling.h"
 #include "engine/algorithms/ring.h"
+#include "engine/algorithms/selector.h"
 #include "engine/algorithms/tree.h"
 #include "engine/reduce.h"
 #include "ipc/error.h"
@@ -91,16 +92,10 @@ struct Run {
     });
   }
 
-  /// A plan that names no algorithm of this kind: a bug, never a hang.
-  [[noreturn]] void unplanned() const {
-    throw Error(Code::internal, "no " + std::string(to_string(algorithm)) + " algorithm for " +
-                                    std::string(to_string(op.kind)) + " between nodes");
-  }
-
   NodeChannel& ch;
   const NodeCollective& op;
   const NodeAlgorithmOptions& options;
-  const NodeAlgorithm algorithm;  ///< the plan's
+  const NodeAlgorithm algorithm;  ///< the plan's (serves() op.kind)
   Context algo;
   const int n, me;
   const std::size_t es;
@@ -160,7 +155,7 @@ void run_all_reduce(Run& r) {
                           ring_one ? r.L[0].send : nullptr);
       ring_all_gather(r.algo, w, segs, 2);
       break;
-    default: r.unplanned();
+    default: break;  // not an all-reduce's (serves)
   }
   if (r.op.redop == RedOp::avg) r.ch.flush();  // `w` went out in place; divided next
   r.finish_avg(w, r.one);
@@ -214,10 +209,6 @@ void run_all_gather(Run& r) {
   std::byte* w = r.L[0].recv;
   const auto segs = rank_segments(r.op.node_of_rank, r.one, r.n);
   r.algo.tell_final(r.tell);
-  if (r.algorithm != A::none && r.algorithm != A::direct && r.algorithm != A::pairwise &&
-      r.algorithm != A::ring) {
-    r.unplanned();
-  }
   if (r.L.size() == 1 && r.algorithm == A::ring) {
     // One rank: its input goes to the right from where it is, and its
     // copy into the output follows that send (not before it).
@@ -254,9 +245,6 @@ void run_reduce_scatter(Run& r) {
                     std::string(to_string(r.options.algorithm)));
   }
   using A = NodeAlgorithm;
-  if (r.algorithm != A::none && r.algorithm != A::pairwise && r.algorithm != A::ring) {
-    r.unplanned();
-  }
   const auto segs = [&] { return rank_segments(r.op.node_of_rank, one, r.n); };
   const bool pairwise = r.algorithm == A::pairwise;
   if (r.L.size() == 1 && pairwise) {
@@ -307,7 +295,7 @@ void run_broadcast(Run& r) {
     case NodeAlgorithm::tree: tree_broadcast(r.algo, src, r.one, root_node, 1); break;
     case NodeAlgorithm::direct: direct_broadcast(r.algo, src, r.one, root_node, 1); break;
     case NodeAlgorithm::chain: chain_broadcast(r.algo, src, r.one, root_node, 1); break;
-    default: r.unplanned();
+    default: break;  // not a broadcast's (serves)
   }
   r.pass(r.one * r.L.size(), [&] {
     for (const auto& b : r.L) copy_bytes(b.recv, src, r.one);
@@ -323,10 +311,6 @@ void run_reduce(Run& r) {
     }
   } else {
     t = r.ch.scratch(r.one);
-  }
-  if (r.algorithm != NodeAlgorithm::none && r.algorithm != NodeAlgorithm::tree &&
-      r.algorithm != NodeAlgorithm::chain) {
-    r.unplanned();
   }
   r.local_reduce(t, r.one);
   r.algo.tell_final(r.tell && root_node == r.me);  // elsewhere `t` is scratch
@@ -345,6 +329,11 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op, No
     throw Error(Code::invalid_argument,
                 "only a reduce-scatter leaves its own contribution to the client");
   }
+  // A plan that names no algorithm of this kind: a bug, failed at once.
+  if (!serves(a, op.kind)) {
+    throw Error(Code::internal, "no " + std::string(to_string(a)) + " algorithm for " +
+                                    std::string(to_string(op.kind)) + " between nodes");
+  }
   Run r(ch, op, a, options, base);
   // An operation of zero bytes still meets every other node once, so that a
   // node whose ranks disagree (a non-zero count, another operation) is told.
@@ -359,10 +348,7 @@ void run_node_collective_unflushed(NodeChannel& ch, const NodeCollective& op, No
     case OpKind::reduce_scatter: run_reduce_scatter(r); return;
     case OpKind::broadcast: run_broadcast(r); return;
     case OpKind::reduce: run_reduce(r); return;
-    case OpKind::all_to_all:
-      if (a != NodeAlgorithm::exchange && a != NodeAlgorithm::none) r.unplanned();
-      exchange_all_to_all(r.algo, op, r.one);
-      return;
+    case OpKind::all_to_all: exchange_all_to_all(r.algo, op, r.one); return;
     default:
       throw Error(Code::internal, "no node algorithm for " + std::string(to_string(op.kind)));
   }
@@ -380,8 +366,8 @@ void run_node_collective(NodeChannel& ch, const NodeCollective& op, const NodePl
 
 void run_node_collective(NodeChannel& ch, const NodeCollective& op,
                          const NodeAlgorithmOptions& options, std::uint64_t base) {
-  run_node_collective(ch, op, node_plan(op.kind, op.count, op.dtype, op.nranks, ch.nodes(), options),
-                      options, base);
+  const NodePlan plan = node_plan(op.kind, op.count, op.dtype, op.nranks, ch.nodes(), options);
+  run_node_collective(ch, op, plan, options, base);
 }
 
 }  // namespace collectived::engine

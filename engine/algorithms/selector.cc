@@ -32,14 +32,16 @@ constexpr std::uint64_t kRingAllGatherMinBytes = std::uint64_t{2} << 20;
 }  // namespace
 
 bool use_direct(std::uint64_t bytes, const NodeAlgorithmOptions& o) {
-  if (o.algorithm == AlgorithmOverride::direct) return true;
-  if (o.algorithm == AlgorithmOverride::ring || o.algorithm == AlgorithmOverride::pairwise || o.algorithm == AlgorithmOverride::tree) return false;
+  if (o.algorithm != AlgorithmOverride::automatic) {
+    return o.algorithm == AlgorithmOverride::direct;  // an override
+  }
   return bytes <= o.direct_max_bytes;
 }
 
 bool use_pairwise(int nodes, const NodeAlgorithmOptions& o) {
-  if (o.algorithm == AlgorithmOverride::pairwise) return true;
-  if (o.algorithm == AlgorithmOverride::ring || o.algorithm == AlgorithmOverride::direct || o.algorithm == AlgorithmOverride::tree) return false;
+  if (o.algorithm != AlgorithmOverride::automatic) {
+    return o.algorithm == AlgorithmOverride::pairwise;  // an override
+  }
   return nodes <= o.pairwise_max_nodes;
 }
 
@@ -51,7 +53,8 @@ bool use_pairwise(int nodes, const NodeAlgorithmOptions& o) {
 /// those keep pairwise (docs/architecture.md).
 bool large_pairwise(std::uint64_t bytes, int nodes, const NodeAlgorithmOptions& o) {
   return use_pairwise(nodes, o) &&
-         !(o.algorithm == AlgorithmOverride::automatic && nodes >= kRingMinNodes && bytes >= kRingMinBytes);
+         !(o.algorithm == AlgorithmOverride::automatic && nodes >= kRingMinNodes &&
+           bytes >= kRingMinBytes);
 }
 
 /// Pairwise on up to pairwise_max_nodes nodes, and at every node count for
@@ -82,12 +85,27 @@ bool use_tree(OpKind kind, std::uint64_t bytes, int nodes, const NodeAlgorithmOp
   return kind == OpKind::all_reduce || nodes > o.pairwise_max_nodes;
 }
 
+bool serves(NodeAlgorithm a, OpKind kind) {
+  using A = NodeAlgorithm;
+  if (a == A::none) return true;
+  switch (kind) {
+    case OpKind::all_reduce:
+      return a == A::recursive_doubling || a == A::direct || a == A::pairwise || a == A::ring;
+    case OpKind::all_gather: return a == A::direct || a == A::pairwise || a == A::ring;
+    case OpKind::reduce_scatter: return a == A::pairwise || a == A::ring;
+    case OpKind::broadcast: return a == A::tree || a == A::direct || a == A::chain;
+    case OpKind::reduce: return a == A::tree || a == A::chain;
+    default: return a == A::exchange;
+  }
+}
+
 GatherKind all_gather_kind(std::uint64_t total, int nodes, const NodeAlgorithmOptions& o) {
   if (use_direct(total, o)) return GatherKind::direct;
   if (!use_pairwise(nodes, o)) return GatherKind::ring;
   // Two nodes: the ring and the pairwise exchange are the same transfers.
   const std::uint64_t per_node = total / static_cast<std::uint64_t>(nodes);
-  if (o.algorithm == AlgorithmOverride::automatic && nodes >= 3 && per_node >= kRingAllGatherMinBytes) {
+  if (o.algorithm == AlgorithmOverride::automatic && nodes >= 3 &&
+      per_node >= kRingAllGatherMinBytes) {
     return GatherKind::ring;
   }
   return GatherKind::pairwise;

@@ -25,6 +25,10 @@ bool scatter_pairwise(std::uint64_t bytes, int nodes, const NodeAlgorithmOptions
 /// all-reduce, binomial trees for the broadcast and the reduce.
 bool use_tree(OpKind kind, std::uint64_t bytes, int nodes, const NodeAlgorithmOptions& o);
 
+/// Whether `a` is one of the algorithms between nodes for `kind` (what
+/// choose_node_algorithm may plan for it), or none (one node).
+bool serves(NodeAlgorithm a, OpKind kind);
+
 enum class GatherKind { direct, pairwise, ring };
 /// An all-gather's algorithm between nodes, for `total` bytes of output.
 GatherKind all_gather_kind(std::uint64_t total, int nodes, const NodeAlgorithmOptions& o);

@@ -112,3 +112,31 @@ TEST_CASE("an operation's plan: its algorithm, and the chunk where it cuts trans
   other.chunk_bytes = 512 << 10;  // the direct exchange does not chunk: the chunk is not compared
   CHECK(node_plan(OpKind::all_gather, 2, DType::float64, 4, 4, other) == direct);
 }
+
+TEST_CASE("the runner's check agrees with the planner: every plan it makes serves its kind") {
+  const OpKind kinds[] = {OpKind::all_reduce, OpKind::all_gather, OpKind::reduce_scatter,
+                          OpKind::broadcast,  OpKind::reduce,     OpKind::all_to_all,
+                          OpKind::barrier};
+  for (AlgorithmOverride forced : {AlgorithmOverride::automatic, AlgorithmOverride::ring,
+                                   AlgorithmOverride::pairwise, AlgorithmOverride::direct,
+                                   AlgorithmOverride::tree}) {
+    NodeAlgorithmOptions o;
+    o.algorithm = forced;
+    for (OpKind k : kinds) {
+      for (int nodes : {1, 2, 3, 4, 5, 8}) {
+        for (std::uint64_t bytes : {std::uint64_t{0}, std::uint64_t{8}, std::uint64_t{1} << 20,
+                                    std::uint64_t{64} << 20}) {
+          CAPTURE(to_string(forced));
+          CAPTURE(to_string(k));
+          CAPTURE(nodes);
+          CAPTURE(bytes);
+          CHECK(algorithms::serves(choose_node_algorithm(k, bytes, nodes, o), k));
+        }
+      }
+    }
+  }
+  // And it refuses what a plan for another kind names.
+  CHECK_FALSE(algorithms::serves(NodeAlgorithm::chain, OpKind::all_reduce));
+  CHECK_FALSE(algorithms::serves(NodeAlgorithm::recursive_doubling, OpKind::broadcast));
+  CHECK_FALSE(algorithms::serves(NodeAlgorithm::unknown, OpKind::reduce));
+}

@@ -13,9 +13,6 @@
 
 namespace collectived::engine::gpu {
 
-namespace cu = collectived::engine::gpu::cu;
-using collectived::engine::gpu::CudaDriver;
-
 inline void check_rt(cudaError_t e, const std::string& what) {
   if (e != cudaSuccess) {
     throw Error(Code::system,

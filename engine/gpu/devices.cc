@@ -4,8 +4,6 @@
 
 namespace collectived::engine::gpu {
 
-using collectived::engine::gpu::uuid_text;
-
 void Devices::open(int count, std::vector<std::string>& lines) {
   for (int i = 0; i < count; ++i) {
     cudaDeviceProp prop{};

@@ -7,9 +7,6 @@
 
 namespace collectived::engine::gpu {
 
-using collectived::engine::gpu::CudaDriver;
-namespace cu = collectived::engine::gpu::cu;
-
 VmmRange::VmmRange(std::shared_ptr<const CudaDriver> cu, std::uint64_t size, std::uint32_t pieces)
     : cu_(std::move(cu)), size_(size), pieces_(pieces) {
   if (size == 0 || pieces == 0 || pieces > size) {

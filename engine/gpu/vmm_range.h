@@ -24,7 +24,7 @@ class VmmRange {
  public:
   /// Reserves `size` bytes for `pieces` allocations (mapped with map(), in
   /// address order). Throws Error naming the step.
-  VmmRange(std::shared_ptr<const collectived::engine::gpu::CudaDriver> cu, std::uint64_t size,
+  VmmRange(std::shared_ptr<const CudaDriver> cu, std::uint64_t size,
            std::uint32_t pieces);
   ~VmmRange();
   VmmRange(const VmmRange&) = delete;
@@ -41,13 +41,13 @@ class VmmRange {
   /// `devices` (ordinals; the allocations' own among them). Once complete.
   void set_access(const std::vector<int>& devices);
 
-  collectived::engine::gpu::cu::DevicePtr base() const { return base_; }
+  cu::DevicePtr base() const { return base_; }
   std::uint64_t size() const { return size_; }
   std::uint32_t pieces() const { return pieces_; }
 
  private:
-  std::shared_ptr<const collectived::engine::gpu::CudaDriver> cu_;
-  collectived::engine::gpu::cu::DevicePtr base_ = 0;
+  std::shared_ptr<const CudaDriver> cu_;
+  cu::DevicePtr base_ = 0;
   std::uint64_t size_ = 0;
   std::uint32_t pieces_ = 0;
   std::uint64_t filled_ = 0;  // bytes mapped from the base

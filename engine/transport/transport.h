@@ -1,8 +1,9 @@
 // The engine's view of the network between daemons: it sends opaque messages
 // to other nodes' daemons, named by their rendezvous address ("host:port"),
 // and is told what arrives and which nodes went away through a NodeReceiver
-// (the engine is one): transports never include the engine. Algorithms never see sockets or verbs: they talk to a
-// NodeChannel (engine/node_algorithms.h) that the engine builds on this.
+// (the engine is one): transports never include the engine. Algorithms never
+// see sockets or verbs: they talk to a NodeChannel (engine/node_channel.h)
+// that the engine builds on this.
 //
 // Messages are sent without copying their bulk bytes: an OutMessage is a small
 // header the transport owns plus payload pieces that it reads in place until
