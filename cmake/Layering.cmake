@@ -1,7 +1,7 @@
 # Which part of the tree may include which: the build checks every quoted
 # #include of every source file against this table (cmake/check_layering.cmake)
 # before it compiles anything, and a forbidden include fails the build with the
-# file, the line and what the part may include. ctest's `layering` runs the
+# file, the include and what the file's part may include. ctest's `layering` runs the
 # same check and shows that it fails on a planted forbidden include.
 #
 # Each part is a library target (or a leaf of one); a file belongs to the first
@@ -47,20 +47,23 @@ set(COLLECTIVED_LAYER_DEPS
   "client_nccl       client gpu_kernels cuda_driver ipc"
   "client_torch      client ipc")
 
+# The files checked (recursive globs from the source root; `_test.cc` files
+# are left out).
+set(COLLECTIVED_LAYERED_GLOBS
+  ipc/*.h ipc/*.cc config/*.h config/*.cc engine/*.h engine/*.cc engine/*.cu engine/*.cuh
+  daemon/*.h daemon/*.cc client/*.h client/*.cc client/*.cu client/*.cuh)
+
 # The stamp that every library target waits for: rewritten only when the check
 # passes, re-run when any source file changes.
-file(GLOB_RECURSE COLLECTIVED_LAYERED_SOURCES CONFIGURE_DEPENDS
-  RELATIVE ${PROJECT_SOURCE_DIR}
-  ${PROJECT_SOURCE_DIR}/ipc/*.h ${PROJECT_SOURCE_DIR}/ipc/*.cc
-  ${PROJECT_SOURCE_DIR}/config/*.h ${PROJECT_SOURCE_DIR}/config/*.cc
-  ${PROJECT_SOURCE_DIR}/engine/*.h ${PROJECT_SOURCE_DIR}/engine/*.cc
-  ${PROJECT_SOURCE_DIR}/engine/*.cu ${PROJECT_SOURCE_DIR}/engine/*.cuh
-  ${PROJECT_SOURCE_DIR}/daemon/*.h ${PROJECT_SOURCE_DIR}/daemon/*.cc
-  ${PROJECT_SOURCE_DIR}/client/*.h ${PROJECT_SOURCE_DIR}/client/*.cc
-  ${PROJECT_SOURCE_DIR}/client/*.cu ${PROJECT_SOURCE_DIR}/client/*.cuh)
-list(FILTER COLLECTIVED_LAYERED_SOURCES EXCLUDE REGEX "_test\\.cc$")
-# The table as plain lines for the check ("layer PART REGEX", "deps PART ...").
+list(TRANSFORM COLLECTIVED_LAYERED_GLOBS PREPEND ${PROJECT_SOURCE_DIR}/ OUTPUT_VARIABLE _layered_globs)
+file(GLOB_RECURSE _layered_paths CONFIGURE_DEPENDS ${_layered_globs})
+list(FILTER _layered_paths EXCLUDE REGEX "_test\\.cc$")
+# The table as plain lines for the check ("glob PATTERN", "layer PART REGEX",
+# "deps PART ...").
 set(_layering_lines "")
+foreach(entry IN LISTS COLLECTIVED_LAYERED_GLOBS)
+  string(APPEND _layering_lines "glob ${entry}\n")
+endforeach()
 foreach(entry IN LISTS COLLECTIVED_LAYERS)
   string(APPEND _layering_lines "layer ${entry}\n")
 endforeach()
@@ -69,7 +72,6 @@ foreach(entry IN LISTS COLLECTIVED_LAYER_DEPS)
 endforeach()
 set(COLLECTIVED_LAYERING_TABLE ${CMAKE_BINARY_DIR}/layering.txt)
 file(CONFIGURE OUTPUT ${COLLECTIVED_LAYERING_TABLE} CONTENT "${_layering_lines}" @ONLY)
-list(TRANSFORM COLLECTIVED_LAYERED_SOURCES PREPEND ${PROJECT_SOURCE_DIR}/ OUTPUT_VARIABLE _layered_paths)
 add_custom_command(
   OUTPUT ${CMAKE_BINARY_DIR}/layering.stamp
   COMMAND ${CMAKE_COMMAND} -DTABLE=${COLLECTIVED_LAYERING_TABLE} -DROOT=${PROJECT_SOURCE_DIR}
