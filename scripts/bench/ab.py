@@ -1,23 +1,24 @@
 """Medians over rounds of B/A and A2/A time per operation (scripts/bench/ab)."""
+import os
 import statistics
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare import parse  # noqa: E402  (collective-perf's tables, one parser)
+
 
 def table(path):
-    """{(op, bytes): out-of-place time in us} from collective-perf's output."""
-    times, op = {}, None
-    for line in open(path):
-        if line.startswith("# op: "):
-            op = line.split(": ", 1)[1].strip()
-        elif line.strip() and not line.startswith("#"):
-            f = line.split()
-            times[(op, int(f[0]))] = float(f[5])
-    return times
+    """{(op, bytes): out-of-place time in us} of one run."""
+    tables, warnings = parse(path)
+    for w in warnings:
+        print(f"ab: {w}", file=sys.stderr)
+    return {(op, size): rows[0]["out"]["time"]
+            for op, sizes in tables.items() for size, rows in sizes.items()}
 
 
 out, rounds = sys.argv[1], int(sys.argv[2])
 runs = {v: [table(f"{out}/{v}.{r}.txt") for r in range(1, rounds + 1)] for v in ("A", "B", "A2")}
-keys = sorted(runs["A"][0], key=lambda k: (k[0], k[1]))
+keys = sorted(runs["A"][0])
 print(f"{'op':<16}{'bytes':>10}{'A us':>10}{'B/A':>8}{'A2/A':>8}")
 for k in keys:
     a = [t[k] for t in runs["A"]]

@@ -1,4 +1,4 @@
-# Sourced by scripts/bench/ab-pair and scripts/bench/pair-mpi: sets of
+# Sourced by scripts/bench/ab, scripts/bench/ab-pair and scripts/bench/pair-mpi: sets of
 # BENCH_NODES (4) collectived daemons on loopback (one per "node", one rank
 # each), kept up for a whole comparison.
 #   bench_daemons_init              T: a temporary folder with a cluster secret; P: no pids yet
