@@ -5,8 +5,8 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <iterator>
 #include <cstring>
+#include <iterator>
 
 namespace collectived::client::torch_backend {
 
